@@ -16,14 +16,15 @@ How it works. The memory is anonymous (``memfd_create``) and passed between proc
 ``/proc/<pid>/fd``, so nothing is ever created in ``/dev/shm`` and the kernel frees it when the
 last rank exits, however it exits. A collective runs as *rounds*, one per slot-sized piece; in
 a round each rank writes its piece and a header (op, total bytes, dtype, sequence number; a
-broadcast's source, an all-reduce's reduction and an unequal segment layout too) into
-its part of the next slot, publishes the sequence number with an atomic store, waits until
-every rank has published, checks that every header matches its own (ranks that issued different
-collectives get an error naming both, never wrong data), reads what it needs, and marks the
-slot done. A slot is reused only when every rank has marked it done. The counters are
-sequentially consistent atomics from the ``atomics`` library, which also order the plain data
-writes before them. Operations run in issue order on one background thread per group, so they
-overlap with compute like the process group's asynchronous collectives.
+broadcast's source, an all-reduce's reduction, an unequal segment layout or a chunked
+operation's chunk layout too) into its part of the next slot, publishes the sequence number
+with an atomic store, waits until every rank has published, checks that every header matches
+its own (ranks that issued different collectives get an error naming both, never wrong data),
+reads what it needs, and marks the slot done. A slot is reused only when every rank has marked
+it done. The counters are sequentially consistent atomics from the ``atomics`` library, which
+also order the plain data writes before them. Operations run in issue order on one background
+thread per group, so they overlap with compute like the process group's asynchronous
+collectives.
 
 Failures: a rank waiting on a peer notices within half a second that the peer's process has
 exited and raises naming it; otherwise ``timeout_s`` bounds every wait. Ranks that issued
@@ -76,6 +77,8 @@ import torch
 from shardkit import comm_counter
 from shardkit import distributed as skdist
 from shardkit.collective_check import CollectiveMismatchError
+from shardkit.kernels import pack_rank_major, unpack_rank_major
+from shardkit.kernels.packing import _check_chunks
 from shardkit.transport import (CommHandle, ProcessGroupTransport, Transport, segment_views,
                                 warn_once)
 
@@ -84,7 +87,9 @@ __all__ = ["SharedMemoryTransport", "TransportError", "DivergedCollectivesError"
 NUM_SLOTS = 3
 _CONTROL_BYTES = 4096  # token page
 _HEADER_FIELDS = 5  # generation, op code, total bytes, dtype code, detail (see _Ring.submit)
-_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "reduce")
+# the header's op codes are indices here (plus one): new ops go at the end
+_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "reduce",
+        "all_gather_chunks", "reduce_scatter_chunks")
 # the header's dtype codes are indices here: new dtypes go at the end
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int8, torch.uint8, torch.bool, torch.int16, torch.complex64,
@@ -134,6 +139,7 @@ class SharedMemoryTransport(Transport):
         self.timeout_s = float(timeout_s)
         self._rings: dict = {}  # id(group object) -> (group object, _Ring or None)
         self._fallback = ProcessGroupTransport()
+        self._closed = False  # close() was called and prepare() not since: errors say so
         # a transport dropped without close() still stops its workers and unmaps its memory
         weakref.finalize(self, _stop_rings, self._rings)
 
@@ -145,6 +151,7 @@ class SharedMemoryTransport(Transport):
         reason."""
         skdist.require_initialized("SharedMemoryTransport.prepare")
         resolved = skdist.resolved_group(group)
+        self._closed = False
         if id(resolved) in self._rings:
             return
         ring, why = _Ring.open(group, self.part_bytes, self.timeout_s)
@@ -156,6 +163,10 @@ class SharedMemoryTransport(Transport):
     def _ring(self, group) -> Optional["_Ring"]:
         resolved = skdist.resolved_group(group)
         entry = self._rings.get(id(resolved))
+        if entry is None and self._closed:
+            raise RuntimeError("SharedMemoryTransport: used after close(), which released its "
+                               "shared memory; call transport.prepare(group) again on every "
+                               "rank (collective) to use it again")
         if entry is None:
             raise RuntimeError("SharedMemoryTransport: used on a process group it was not "
                                "prepared for; the wrapper must call transport.prepare(group) "
@@ -173,8 +184,10 @@ class SharedMemoryTransport(Transport):
         return [ring.memory for _g, ring in self._rings.values() if ring is not None]
 
     def close(self) -> None:
-        """Finish queued operations, stop the workers and unmap the slots (idempotent)."""
+        """Finish queued operations, stop the workers and unmap the slots (idempotent); a later
+        operation raises until :meth:`prepare` is called again."""
         _stop_rings(self._rings)
+        self._closed = True
 
     # ------------------------------------------------------------------ operations
 
@@ -182,27 +195,34 @@ class SharedMemoryTransport(Transport):
         ring = self._ring(group)
         if ring is None:
             return self._fallback.all_gather(output, input, group)
-        n, rank = ring.world_size, ring.rank
-        _refuse_unless_fit(ring, "all_gather", output, input, n * input.numel(),
-                           f"world size {n} x input's {input.numel()}")
-        numel = input.numel()
-        landing, land = _landing(output)
-        src, dst = input.reshape(-1), landing.view(n, -1)
+        return _gather(ring, output, input)
 
-        def write(part, lo, hi):
-            part[:hi - lo].copy_(src[lo:hi])
+    def all_gather_chunks(self, fulls, chunks, group):
+        """One all-gather of this rank's chunks packed back to back, unpacked into ``fulls``
+        on the worker (so they land even if the handle is dropped). The header carries the
+        chunk layout, so that ranks that cut the same bytes otherwise raise. Memory: one
+        scratch buffer of ``N x sum(chunks)`` elements until the operation is done."""
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.all_gather_chunks(fulls, chunks, group)
+        n = ring.world_size
+        shard = torch.cat([c.reshape(-1) for c in chunks]) if len(chunks) != 1 else \
+            chunks[0].reshape(-1)
+        scratch = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
+        numels = [c.numel() for c in chunks]
+        try:  # checked here: the unpacking on the worker must not fail on one rank only
+            _check_chunks([full.numel() for full in fulls], numels, n)
+        except ValueError as error:
+            ring.refuse("all_gather_chunks", error)
+        layout = [(full.numel(), c) for full, c in zip(fulls, numels)]
+        inner = _gather(ring, scratch, shard, op="all_gather_chunks",
+                        detail=_layout_code(layout),
+                        then=lambda: unpack_rank_major(scratch, n, list(fulls),
+                                                       chunk_numels=numels))
 
-        def read(parts, lo, hi):
-            for r in range(n):
-                if r != rank:
-                    dst[r, lo:hi].copy_(parts[r][:hi - lo])
-
-        def start():
-            if dst[rank].data_ptr() != src.data_ptr():
-                dst[rank].copy_(src)
-        _record(ring, "all_gather", _nbytes(output), input.dtype)
-        return ring.submit("all_gather", input.dtype, numel, ring.chunk(input.dtype), write,
-                           read, result=lambda: output, start=start, land=land)
+        def finish():
+            inner.wait()
+        return CommHandle((), finish)
 
     def all_gather_segments(self, output, sizes, group):
         """Round by round, each rank writes the next part of its own segment (nothing once it
@@ -237,28 +257,21 @@ class SharedMemoryTransport(Transport):
         ring = self._ring(group)
         if ring is None:
             return self._fallback.reduce_scatter(input, group)
-        n, rank = ring.world_size, ring.rank
-        if input.numel() % n:
-            ring.refuse("reduce_scatter", ValueError(
-                f"reduce_scatter: input has {input.numel()} elements, not divisible by world "
-                f"size {n}"))
-        seg = input.numel() // n
-        rows = input.reshape(n, seg)
-        out = torch.empty(seg, dtype=input.dtype, device=input.device)
-        step = max(1, ring.chunk(input.dtype) // n)
+        return _reduce_scatter(ring, input)
 
-        def write(part, lo, hi):
-            part[:n * (hi - lo)].view(n, hi - lo).copy_(rows[:, lo:hi])
-
-        def read(parts, lo, hi):
-            k = hi - lo
-            acc = out[lo:hi]
-            acc.copy_(parts[0][rank * k:(rank + 1) * k])
-            for r in range(1, n):
-                acc.add_(parts[r][rank * k:(rank + 1) * k])
-        _record(ring, "reduce_scatter", _nbytes(input), input.dtype)
-        return ring.submit("reduce_scatter", input.dtype, seg, step, write, read,
-                           result=lambda: out, total=input.numel())
+    def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
+        """The interface's packed reduce-scatter (see :meth:`Transport.reduce_scatter_chunks`),
+        with the chunk layout in the header, so that ranks that cut the same bytes otherwise
+        raise. Memory: the packed ``N x sum(chunk_numels)`` elements until it is done."""
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.reduce_scatter_chunks(tensors, chunk_numels, group,
+                                                        scale=scale, dtype=dtype)
+        packed = pack_rank_major(list(tensors), ring.world_size, scale=scale, dtype=dtype,
+                                 chunk_numels=chunk_numels)
+        layout = [(t.numel(), c) for t, c in zip(tensors, chunk_numels)]
+        return _reduce_scatter(ring, packed, op="reduce_scatter_chunks",
+                               detail=_layout_code(layout))
 
     def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):
         ring = self._ring(group)
@@ -371,6 +384,67 @@ class SharedMemoryTransport(Transport):
         _record(ring, "all_to_all", _nbytes(input), input.dtype)
         return ring.submit("all_to_all", input.dtype, seg, step, write, read,
                            result=lambda: output, land=land, total=input.numel())
+
+
+def _gather(ring: "_Ring", output, input, op: str = "all_gather", detail: int = 0,
+            then: Optional[Callable] = None) -> CommHandle:
+    """Every rank's flat ``input`` into ``output``, rank-major, issued as ``op`` with the
+    header's ``detail``; ``then`` runs on the worker once ``output`` is filled."""
+    n, rank = ring.world_size, ring.rank
+    _refuse_unless_fit(ring, op, output, input, n * input.numel(),
+                       f"world size {n} x input's {input.numel()}")
+    numel = input.numel()
+    landing, land = _landing(output)
+    src, dst = input.reshape(-1), landing.view(n, -1)
+
+    def write(part, lo, hi):
+        part[:hi - lo].copy_(src[lo:hi])
+
+    def read(parts, lo, hi):
+        for r in range(n):
+            if r != rank:
+                dst[r, lo:hi].copy_(parts[r][:hi - lo])
+
+    def start():
+        if dst[rank].data_ptr() != src.data_ptr():
+            dst[rank].copy_(src)
+
+    def finish():
+        if land is not None:
+            land()
+        if then is not None:
+            then()
+    _record(ring, "all_gather", _nbytes(output), input.dtype)
+    return ring.submit(op, input.dtype, numel, ring.chunk(input.dtype), write, read,
+                       result=lambda: output, start=start, detail=detail,
+                       land=finish if land is not None or then is not None else None)
+
+
+def _reduce_scatter(ring: "_Ring", input, op: str = "reduce_scatter",
+                    detail: int = 0) -> CommHandle:
+    """The sum over ranks of this rank's part of the flat ``input``, issued as ``op`` with the
+    header's ``detail``; ``wait`` returns it (a tensor of its own)."""
+    n, rank = ring.world_size, ring.rank
+    if input.numel() % n:
+        ring.refuse(op, ValueError(
+            f"{op}: input has {input.numel()} elements, not divisible by world size {n}"))
+    seg = input.numel() // n
+    rows = input.reshape(n, seg)
+    out = torch.empty(seg, dtype=input.dtype, device=input.device)
+    step = max(1, ring.chunk(input.dtype) // n)
+
+    def write(part, lo, hi):
+        part[:n * (hi - lo)].view(n, hi - lo).copy_(rows[:, lo:hi])
+
+    def read(parts, lo, hi):
+        k = hi - lo
+        acc = out[lo:hi]
+        acc.copy_(parts[0][rank * k:(rank + 1) * k])
+        for r in range(1, n):
+            acc.add_(parts[r][rank * k:(rank + 1) * k])
+    _record(ring, "reduce_scatter", _nbytes(input), input.dtype)
+    return ring.submit(op, input.dtype, seg, step, write, read, result=lambda: out,
+                       total=input.numel(), detail=detail)
 
 
 def _refuse_unless_fit(ring: "_Ring", op: str, output: torch.Tensor, input: torch.Tensor,
@@ -509,8 +583,8 @@ class _Ring:
         mismatch of ops is always caught); returns its handle. ``detail`` goes into the header
         with the op, so that ranks that agree on the op but not on its shape also fail: a
         broadcast's source (rank + 1), an all-reduce's reduction, or a code of an unequal
-        segment layout. ``land``, if given, runs on the worker after the last round (see
-        :func:`_landing`)."""
+        segment layout or of a chunk layout. ``land``, if given, runs on the worker after the
+        last round (see :func:`_landing`)."""
         if self._error is not None:
             raise _again(self._error)
         if dtype not in _DTYPES:
@@ -715,6 +789,8 @@ def _describe(header) -> str:
         op = f"broadcast from group rank {detail - 1}"
     elif detail and op == "all_reduce":
         op = f"all_reduce ({_REDUCE_OPS[detail - 1] if detail <= len(_REDUCE_OPS) else detail})"
+    elif detail and op.endswith("_chunks"):
+        op = f"{op} (chunk layout #{detail:x})"
     elif detail:
         op = f"{op} (segment layout #{detail:x})"
     return f"{op} of {nbytes} bytes of {kind}"
@@ -726,7 +802,8 @@ def _reduce_op_name(op) -> str:
 
 
 def _layout_code(sizes) -> int:
-    """A code of a list of segment sizes, the same on every rank (for the header check)."""
+    """A code of a list of sizes (segments, or chunk layouts), the same on every rank (for the
+    header check)."""
     return zlib.crc32(repr(list(sizes)).encode()) + 1
 
 

@@ -463,6 +463,11 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def reduce_scatter(self, input, group):
+        return self._reduce_scatter(input, group)
+
+    def _reduce_scatter(self, input, group, layout: Optional[tuple] = None) -> CommHandle:
+        """:meth:`reduce_scatter`; on gloo its messages' tag carries ``layout`` too (a packed
+        chunked reduce-scatter's, see :meth:`reduce_scatter_chunks`)."""
         n = skdist.get_world_size(group)
         if input.numel() % n:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not divisible "
@@ -492,15 +497,23 @@ class ProcessGroupTransport(Transport):
             for part in ordered[2:]:
                 total.add_(part)
             return total
-        return _p2p_handle(ops, "reduce_scatter", group, finish, shape=(input.numel(),))
+        return _p2p_handle(ops, "reduce_scatter", group, finish, shape=(input.numel(),),
+                           layout=layout)
 
     @_reports_broken_links
     def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
         dtype = dtype or (tensors[0].dtype if tensors else None)
-        if not tensors or not _uses_point_to_point(group, tensors[0].device) or \
-                dtype.itemsize < 4 or any(t.dtype != dtype for t in tensors):
+        if not tensors or not _uses_point_to_point(group, tensors[0].device):
             return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
                                                  dtype=dtype)
+        n = skdist.get_world_size(group)
+        if dtype.itemsize < 4 or any(t.dtype != dtype for t in tensors):
+            # packed (see the note below), its tag carrying the chunk layout as the unpacked
+            # path's does, marked "packed" so that the two never match each other either
+            packed = pack_rank_major(list(tensors), n, scale=scale, dtype=dtype,
+                                     chunk_numels=chunk_numels)
+            chunks = _check_chunks([t.numel() for t in tensors], chunk_numels, n)
+            return self._reduce_scatter(packed, group, layout=("packed", *chunks))
         # Note: on gloo the packed copy is skipped. Each rank sends peer r chunk r of every
         # tensor straight from the tensor (one send per tensor; a chunk that runs into the
         # padding goes through a chunk-sized temporary, so the padded bytes travel as with
@@ -512,7 +525,7 @@ class ProcessGroupTransport(Transport):
         # non-contiguous tensor is copied here rather than sent down the packed path, whose
         # one message per peer the peers' per-tensor receives would not match (silent wrong
         # sums on one rank, gloo aborting the other).
-        n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+        rank = skdist.get_rank(group)
         flats = [t.contiguous().view(-1) for t in tensors]
         chunks = _check_chunks([f.numel() for f in flats], chunk_numels, n)
         offsets = [sum(chunks[:i]) for i in range(len(chunks))]

@@ -516,6 +516,31 @@ def test_close_and_garbage_collection_release_the_slots(world2):
         assert r["after"] == (maps, threads), r
 
 
+def _used_after_close():
+    """An operation after close() raises naming close(); prepare() again makes it work."""
+    from shardkit.shm_transport import SharedMemoryTransport
+    t = SharedMemoryTransport(part_bytes=4096, timeout_s=30)
+    t.prepare(None)
+    t.close()
+    try:
+        t.all_reduce(torch.ones(2), None)
+        error = "no error"
+    except RuntimeError as raised:
+        error = str(raised)
+    t.prepare(None)
+    summed = t.all_reduce(torch.ones(2), None).wait().tolist()
+    t.close()
+    return error, summed
+
+
+def test_an_operation_after_close_says_so_and_prepare_reopens(world2):
+    """Before: "used on a process group it was not prepared for; the wrapper must call
+    transport.prepare(group)", blaming the wrapper for the user's close()."""
+    for error, summed in world2.run(_used_after_close):
+        assert "after close()" in error and "prepare(group) again" in error, error
+        assert summed == [2.0, 2.0]
+
+
 # ---------------------------------------------------------------- one road
 
 

@@ -66,6 +66,10 @@ def _disagreeing_call(case: str, transport, group, rank: int):
         chunks = [torch.ones(2), torch.ones(4)] if rank == 0 else [torch.ones(3)] * 2
         transport.all_gather_chunks(fulls, chunks, group).wait()
         return [f.tolist() for f in fulls]
+    if case == "chunks16":  # bf16: the chunks are packed before they travel
+        sizes = [4, 4] if rank == 0 else [8]
+        tensors = [torch.ones(2 * c, dtype=torch.bfloat16) for c in sizes]
+        return transport.reduce_scatter_chunks(tensors, sizes, group).wait().tolist()
     if case == "quantized":
         numel = 2 * (32 if rank == 0 else 48)
         return transport.reduce_scatter(torch.randn(numel), group).wait().tolist()
@@ -128,6 +132,13 @@ def test_other_cuts_of_the_same_total_exchange_nothing(world2):
 def test_other_quantized_and_chunk_layouts_exchange_nothing(world2):
     cases = ["chunks", "quantized", "exchange"]
     _assert_all_raised(world2.run(_mismatched, cases), cases)
+
+
+def test_packed_chunk_layouts_exchange_nothing(world2):
+    """Before: a 16-bit reduce_scatter_chunks (packed, then sent as a plain reduce-scatter of
+    the total) returned sums of the peer's chunks cut another way, silently; the fp32 one, sent
+    tensor by tensor, was tagged with the chunk layout."""
+    _assert_all_raised(world2.run(_mismatched, ["chunks16"]), ["chunks16"])
 
 
 def test_debug_mode_names_both_cuts(world2):
