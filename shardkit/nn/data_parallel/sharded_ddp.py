@@ -238,6 +238,8 @@ class ShardedDataParallel(nn.Module):
         self.reduce_buffer_size = reduce_buffer_size
 
         self._hooked: dict = {}               # param -> its two hook handles
+        weakref.finalize(self, _remove_hooks, self._hooked)  # the wrapper dropped
+        self._hooks_released = False          # a newer wrapper took this one's hooks
         self._buckets: list[BucketLayout] = []
         self._bucket_of: dict = {}            # param -> bucket index
         # (requires_grad flags, trainable dtypes and devices, trainable parameters,
@@ -288,6 +290,8 @@ class ShardedDataParallel(nn.Module):
                                        "ShardedDataParallel", torch.device(self.device_type))
         if self._backward_active:
             self._forget_aborted_backward()
+        if self._hooks_released:
+            self._take_hooks_back()
         if self._sync_enabled:
             self._check_grads_do_not_require_grad(
                 p.grad for p in self._trainable if p.grad is not None)
@@ -688,12 +692,29 @@ class ShardedDataParallel(nn.Module):
     def _hook(self, p: torch.Tensor) -> None:
         if p in self._hooked:
             return
-        # Note: weakly bound: torch keeps post-accumulate-grad hooks in C++, where the garbage
-        # collector cannot see the cycle back to this wrapper (it kept every ShardedDDP, its
-        # module and optimizer alive after the user dropped them)
-        self._hooked[p] = (p.register_hook(self._on_grad_incoming),
+        _take_hooks_over(p, self)
+        # Note: weakly bound, both: torch keeps post-accumulate-grad hooks in C++, where the
+        # garbage collector cannot see the cycle back to this wrapper (it kept every ShardedDDP,
+        # its module and optimizer alive after the user dropped them); and a module the user
+        # keeps holds its parameters' tensor hooks, which kept a dropped wrapper alive and
+        # reducing at every backward through the module (a backward on one rank alone hung)
+        self._hooked[p] = (p.register_hook(weakly_bound(self._on_grad_incoming)),
                            p.register_post_accumulate_grad_hook(
                                weakly_bound(self._on_grad_accumulated)))
+
+    def _release_hooks(self) -> None:
+        """Remove this wrapper's gradient hooks: a newer ShardedDataParallel wraps its
+        parameters. Its next forward takes them back (:meth:`_take_hooks_back`)."""
+        _remove_hooks(self._hooked)
+        self._hooks_released = True
+
+    def _take_hooks_back(self) -> None:
+        """At a forward of a wrapper whose hooks a newer one took: hook its parameters again
+        (the newer one's hooks on them are released in turn)."""
+        self._hooks_released = False
+        if self.world_size > 1:
+            for p in self._trainable:
+                self._hook(p)
 
     # ------------------------------------------------------------------ backward
 
@@ -934,3 +955,33 @@ def _same_signature(a: tuple, b: Optional[tuple]) -> bool:
     trainable parameters, partitions)`` equal, parameters and partitions by identity."""
     return b is not None and a[:2] == b[:2] and all(
         len(x) == len(y) and all(u is v for u, v in zip(x, y)) for x, y in zip(a[2:], b[2:]))
+
+
+# id(param) -> (weakref to it, weakref to the ShardedDataParallel whose hooks it carries)
+_HOOKS_HELD_BY: dict = {}
+
+
+def _take_hooks_over(p: torch.Tensor, wrapper: ShardedDataParallel) -> None:
+    """Make ``wrapper`` the one ShardedDataParallel whose hooks ``p`` carries: an earlier
+    wrapper of the same parameter (the user re-wrapped the module, keeping it) releases its
+    hooks, as FairScale's and torch DDP's earlier wrappers reduce nothing for forwards they did
+    not run; its hooks reduced every gradient a second time and kept it alive. One dict entry
+    per hooked parameter, dropped with the parameter."""
+    key = id(p)
+    held = _HOOKS_HELD_BY.get(key)
+    previous = held[1]() if held is not None and held[0]() is p else None
+    if previous is not None and previous is not wrapper:
+        previous._release_hooks()
+
+    def forget(ref, key=key):
+        if _HOOKS_HELD_BY.get(key, (None,))[0] is ref:
+            del _HOOKS_HELD_BY[key]
+    _HOOKS_HELD_BY[key] = (weakref.ref(p, forget), weakref.ref(wrapper))
+
+
+def _remove_hooks(hooked: dict) -> None:
+    """Remove the hook handles in ``hooked`` (param -> handles) and forget them."""
+    for handles in hooked.values():
+        for handle in handles:
+            handle.remove()
+    hooked.clear()

@@ -1,0 +1,157 @@
+"""ShardedDataParallel's hooks live as long as the wrapper is the one in use, as FairScale's
+ShardedDDP and torch DDP's do.
+
+A module wrapped by a second ShardedDataParallel while the user keeps it (a new optimizer for a
+fine-tuning stage, a resume, Lightning re-wrapping at each ``fit()``, ``shardkit.initialize``
+called again at ZeRO stage 2) trains exactly as one process on the global batch: the earlier
+wrapper, kept or dropped, reduces nothing more. A wrapper the user dropped is freed, so a
+backward through the kept module afterwards (rank 0 alone computing input gradients, or the
+module re-wrapped in torch DDP) runs no collective of its."""
+
+import gc
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit import distributed as skdist
+from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.testing import world_fixture
+
+LOCAL_BATCH = 4
+
+world2 = world_fixture(2)
+
+
+def _model():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _step(model, optimizer, step: int, local: bool) -> None:
+    """One step on the global batch (``local=False``) or on this rank's slice of it."""
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(LOCAL_BATCH * world, 6, generator=gen)
+    y = torch.randn(LOCAL_BATCH * world, 3, generator=gen)
+    if local:
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        x, y = x[mine], y[mine]
+    optimizer.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def _max_diff(model, oracle) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(),
+                                                          oracle.parameters()))
+
+
+def _rewrap(keep_first: str):
+    """Three steps under one wrapper, then three under a new one (and a new OSS); with
+    ``keep_first == "forward_again"`` the first wrapper then trains once more."""
+    oracle, model = _model(), _model()
+    ref = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    first_opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    first = ShardedDataParallel(model, first_opt)
+    worst, step = 0.0, 0
+    for _ in range(3):
+        _step(oracle, ref, step, local=False)
+        _step(first, first_opt, step, local=True)
+        step += 1
+    first_opt.consolidate_state_dict(recipient_rank=-1)
+    state = first_opt.state_dict()
+    second_opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    second_opt.load_state_dict(state)
+    first_alive = weakref.ref(first)
+    if keep_first == "dropped":
+        del first, first_opt
+        gc.collect()
+    second = ShardedDataParallel(model, second_opt)
+    for _ in range(3):
+        _step(oracle, ref, step, local=False)
+        _step(second, second_opt, step, local=True)
+        worst = max(worst, _max_diff(model, oracle))
+        step += 1
+    if keep_first == "forward_again":  # the wrapper whose forward runs reduces, alone
+        second_opt.consolidate_state_dict(recipient_rank=-1)
+        first_opt.load_state_dict(second_opt.state_dict())
+        _step(oracle, ref, step, local=False)
+        _step(first, first_opt, step, local=True)
+        worst = max(worst, _max_diff(model, oracle))
+    return worst, first_alive() is None
+
+
+def test_second_wrapper_of_a_kept_module_trains_as_one_process(world2):
+    for keep_first in ("kept", "dropped", "forward_again"):
+        for worst, first_freed in world2.run(_rewrap, keep_first):
+            assert worst < 1e-6, (keep_first, worst)
+            if keep_first == "dropped":  # its hooks no longer keep it (and its buckets) alive
+                assert first_freed
+
+
+def _train_then_drop():
+    """Two ShardedDDP steps, then the wrapper and its optimizer are dropped; the model is kept."""
+    model = _model()
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    wrapped = ShardedDataParallel(model, optimizer)
+    for step in range(2):
+        _step(wrapped, optimizer, step, local=True)
+    freed = weakref.ref(wrapped)
+    del wrapped, optimizer
+    gc.collect()
+    return model, freed() is None
+
+
+def _dropped_wrapper_is_freed():
+    return _train_then_drop()[1]
+
+
+def _one_rank_backward_after_drop():
+    model, _ = _train_then_drop()
+    if skdist.get_rank() != 0:
+        return None
+    x = torch.randn(2, 6, requires_grad=True)
+    model(x).sum().backward()  # rank 0 alone: no collective may wait for rank 1
+    return all(p.grad is not None for p in model.parameters())
+
+
+def test_dropped_wrapper_is_freed_and_a_one_rank_backward_runs_no_collective(world2):
+    # checked first: a wrapper still alive would hang the one-rank backward below
+    assert world2.run(_dropped_wrapper_is_freed) == [True, True]
+    assert world2.run(_one_rank_backward_after_drop) == [True, None]
+
+
+def _initialize_twice_at_stage_2():
+    """``shardkit.initialize`` at ZeRO stage 2, two steps, then again on the same model with a
+    new optimizer (a second training phase, as a trainer that re-initializes does): the second
+    engine trains as one process."""
+    import shardkit
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": LOCAL_BATCH, "steps_per_print": 1000,
+              "zero_optimization": {"stage": 2}}
+    oracle, model = _model(), _model()
+    ref = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    for phase, lr in enumerate((0.1, 0.05)):
+        engine, *_ = shardkit.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), config=config)
+        for group in ref.param_groups:
+            group["lr"] = lr
+        for step in range(2 * phase, 2 * phase + 2):
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(LOCAL_BATCH * world, 6, generator=gen)
+            y = torch.randn(LOCAL_BATCH * world, 3, generator=gen)
+            engine.backward(F.mse_loss(engine(x[mine]), y[mine]))
+            engine.step()
+            ref.zero_grad()
+            F.mse_loss(oracle(x), y).backward()
+            ref.step()
+    return _max_diff(model, oracle)
+
+
+def test_initialize_again_on_the_same_model_at_stage_2_trains_as_one_process(world2):
+    for worst in world2.run(_initialize_twice_at_stage_2):
+        assert worst < 1e-6, worst
