@@ -71,11 +71,15 @@ def load_factory_module(spec: str):
 def _import_from_working_directory_too(module_path: str):
     """``importlib.import_module(module_path)``, also finding a module in the working
     directory (``mymodel:build`` beside the user) as ``python -m shardkit plan`` does: the
-    installed ``shardkit`` command does not put that directory on ``sys.path``, so it is
-    appended there (last: installed packages keep precedence)."""
+    installed ``shardkit`` command does not put that directory on ``sys.path``, so it is put
+    there first, where ``python -m`` puts it (as uvicorn and gunicorn do for ``module:attr``):
+    a file of the user's that shares a name with an installed module is the one planned by
+    both commands alike."""
     cwd = os.getcwd()
     if "" not in sys.path and cwd not in sys.path:
-        sys.path.append(cwd)
+        # Note: first, not last: last, an installed module of the same name was planned in
+        # place of the user's file (silently, where it had a callable of that name too)
+        sys.path.insert(0, cwd)
     return importlib.import_module(module_path)
 
 

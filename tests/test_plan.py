@@ -199,6 +199,29 @@ def test_model_factory_in_the_working_directory_under_the_installed_command(tmp_
     assert "model mymodel_d:build: 72 parameters" in proc.stdout
 
 
+def test_model_file_that_shares_an_installed_module_name_is_the_one_planned(tmp_path):
+    """``python -m shardkit plan`` puts the working directory first on ``sys.path``, so the
+    user's ``mymodel_s.py`` is planned even where a module of that name is installed; the
+    installed ``shardkit`` command planned the installed one instead (it searched the working
+    directory last), silently where that one had a ``build`` too. Both commands agree now."""
+    work, bin_dir, site = tmp_path / "work", tmp_path / "bin", tmp_path / "site"
+    for folder in (work, bin_dir, site):
+        folder.mkdir()
+    factory = "import torch.nn as nn\n\n\ndef build():\n    return nn.Linear({0}, {0})\n"
+    (work / "mymodel_s.py").write_text(factory.format(8))   # 72 parameters
+    (site / "mymodel_s.py").write_text(factory.format(4))   # 20: the "installed" one
+    (bin_dir / "shardkit_cmd.py").write_text("import sys\nfrom shardkit.__main__ import main\n"
+                                             "sys.exit(main())\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, str(site)])}
+    args = ["plan", "--model", "mymodel_s:build", "--world-size", "2"]
+    for command in ([str(bin_dir / "shardkit_cmd.py")], ["-m", "shardkit"]):
+        proc = subprocess.run([sys.executable, *command, *args], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "model mymodel_s:build: 72 parameters" in proc.stdout, (command, proc.stdout)
+
+
 def _saved_activation_bytes(model, idx, target):
     """Bytes of the distinct non-parameter tensors autograd saves for backward."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -164,7 +164,8 @@ def normalize_param_groups(params) -> list[dict]:
     if isinstance(params, torch.Tensor):
         raise TypeError("OSS(params=...): got a single tensor; pass an iterable of parameters "
                         "or of param-group dicts (e.g. model.parameters())")
-    if isinstance(params, torch.nn.Module):
+    # an nn.ParameterList iterates over its parameters: torch's optimizers take it, so does OSS
+    if isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList):
         raise TypeError(f"OSS(params=...): got a module ({type(params).__name__}); pass its "
                         f"parameters, OSS(model.parameters(), optim=...), or param-group dicts")
     _refuse_set("OSS(params=...)", params)

@@ -155,3 +155,48 @@ def _initialize_twice_at_stage_2():
 def test_initialize_again_on_the_same_model_at_stage_2_trains_as_one_process(world2):
     for worst in world2.run(_initialize_twice_at_stage_2):
         assert worst < 1e-6, worst
+
+
+def _no_grad_forward_of_another_wrapper_before_backward(which: str):
+    """Three steps of the newest wrapper, each with a forward under ``torch.no_grad()`` of an
+    earlier wrapper of the same parameters between its forward and its backward: the one kept
+    from a first phase (``"kept"``), or one of the encoder alone (``"encoder"``, a target or
+    feature pass as in MoCo-style training)."""
+    oracle, model = _model(), _model()
+    ref = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    part = model if which == "kept" else model[0]
+    other = ShardedDataParallel(part, OSS(part.parameters(), optim=torch.optim.SGD, lr=0.1))
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    wrapped = ShardedDataParallel(model, optimizer)
+    worst = 0.0
+    for step in range(3):
+        _step(oracle, ref, step, local=False)
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        loss = F.mse_loss(wrapped(x), y)
+        with torch.no_grad():  # arms nothing: no backward of this forward will follow
+            other(x)
+        loss.backward()
+        optimizer.step()
+        worst = max(worst, _max_diff(model, oracle))
+    return worst
+
+
+def _batch(step: int):
+    """This rank's slice of ``_step``'s global batch ``step``."""
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(LOCAL_BATCH * world, 6, generator=gen)
+    y = torch.randn(LOCAL_BATCH * world, 3, generator=gen)
+    mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    return x[mine], y[mine]
+
+
+def test_no_grad_forward_of_an_earlier_wrapper_leaves_the_newest_one_reducing(world2):
+    """Only a forward with gradients enabled takes the hooks back, as only such a forward arms
+    torch DDP's reducer. Before: any forward of an earlier wrapper took every hook of the
+    newest one's, and its backward then reduced nothing: each owner stepped on its own rank's
+    gradients, silently."""
+    for which in ("kept", "encoder"):
+        for worst in world2.run(_no_grad_forward_of_another_wrapper_before_backward, which):
+            assert worst < 1e-6, (which, worst)

@@ -68,6 +68,19 @@ def test_model_given_instead_of_its_parameters(model):
         OSS(model, optim=torch.optim.SGD, lr=0.1)
 
 
+def test_parameter_list_is_taken_as_torch_optimizers_take_it():
+    """An ``nn.ParameterList`` is a module, but iterates over its parameters: torch's (and
+    FairScale's) optimizers take it, and so did OSS until the module check above refused every
+    module ("got a module (ParameterList)")."""
+    from shardkit.optim.oss_arguments import normalize_param_groups
+    weights = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(4)),
+                                      torch.nn.Parameter(torch.ones(3))])
+    torch.optim.SGD(weights, lr=0.1)
+    groups = normalize_param_groups(weights)
+    assert len(groups) == 1 and all(a is b for a, b in zip(groups[0]["params"], weights))
+    assert len(groups[0]["params"]) == 2
+
+
 def test_parameters_in_a_set():
     """A set has no order that every rank shares: each rank would partition differently and the
     sync would swap same-shaped parameters silently. Refused before any collective."""

@@ -290,7 +290,10 @@ class ShardedDataParallel(nn.Module):
                                        "ShardedDataParallel", torch.device(self.device_type))
         if self._backward_active:
             self._forget_aborted_backward()
-        if self._hooks_released:
+        if self._hooks_released and torch.is_grad_enabled():
+            # only a forward that may lead to a backward, as only such a forward arms torch
+            # DDP's reducer: a no-grad one (a target or evaluation pass) between the newest
+            # wrapper's forward and its backward took every hook the newest one held
             self._take_hooks_back()
         if self._sync_enabled:
             self._check_grads_do_not_require_grad(
@@ -709,8 +712,8 @@ class ShardedDataParallel(nn.Module):
         self._hooks_released = True
 
     def _take_hooks_back(self) -> None:
-        """At a forward of a wrapper whose hooks a newer one took: hook its parameters again
-        (the newer one's hooks on them are released in turn)."""
+        """At a forward with gradients enabled of a wrapper whose hooks a newer one took: hook
+        its parameters again (the newer one's hooks on them are released in turn)."""
         self._hooks_released = False
         if self.world_size > 1:
             for p in self._trainable:
