@@ -905,6 +905,59 @@ def test_tied_weight_frozen_after_construction_stays_frozen(world2):
         assert no_grad and moved == 0.0, (rank, no_grad, moved)
 
 
+def _tie_unfrozen_after_construction(name):
+    """The tied weight frozen when the stages are built, trained frozen for one step, then
+    unfrozen on both ranks (and in one process): the worst parameter difference on this rank,
+    this rank's copy's distance from one process's tied weight, and the global gradient norms
+    (``clip_grad_norm`` over the pipeline, one process's) after each step."""
+    import shardkit.nn.model_parallel as mp
+
+    parts, mine = _tied_gpt_stages(2, "loop")
+    tied = parts[0][0].tok.weight
+    tied.requires_grad_(False)
+    stage = PipelineStage(parts[mine[0]], mine[0], 2)
+    schedule = SCHEDULES[name][0](stage, 2, token_cross_entropy)
+    reference = GPT(TIED_GPT, seed=0)
+    reference.tok_emb.weight.requires_grad_(False)
+    ref_parts = split_sequential(gpt_as_sequential(reference), [3, 2])
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    mp.initialize_model_parallel(1, pipeline_length=2)
+    try:
+        for step in range(3):
+            if step == 1:
+                tied.requires_grad_(True)
+                reference.tok_emb.weight.requires_grad_(True)
+            opt.zero_grad(), ref_opt.zero_grad()
+            idx, target = synthetic_batch(TIED_GPT, 4, step)
+            schedule.step(idx, target=target)
+            reference.loss(idx, target).backward()
+            norms.append((mp.clip_grad_norm(stage.parameters(), float("inf")).item(),
+                          torch.nn.utils.clip_grad_norm_(reference.parameters(),
+                                                         float("inf")).item()))
+            opt.step(), ref_opt.step()
+    finally:
+        mp.destroy_model_parallel()
+    worst = max((a - b).abs().max().item() for s in mine
+                for a, b in zip(parts[s].parameters(), ref_parts[s].parameters()))
+    return worst, (tied - reference.tok_emb.weight).abs().max().item(), norms
+
+
+def test_tied_weight_frozen_at_construction_and_unfrozen_trains_as_one_weight(world2):
+    """A tied embedding/head frozen when the stages were built and unfrozen later on both
+    ranks (gradual unfreezing) trains as one weight, as in one process, and a global norm
+    counts it once. Before, a tie frozen at construction was left out of the ties for good:
+    once unfrozen, each rank's copy got only its own stage's share of the gradient and the
+    copies drifted apart silently (0.04 from one process's weight after two steps here)."""
+    for name in ("1F1B", "ZB-H1"):
+        for rank, (worst, tie, norms) in enumerate(
+                world2.run(_tie_unfrozen_after_construction, name)):
+            assert worst <= 1e-5 and tie <= 1e-5, (name, rank, worst, tie)
+            for mine, one_process in norms:
+                assert mine == pytest.approx(one_process, rel=1e-5), (name, rank, norms)
+
+
 def _one_copy_frozen():
     """Rank 1 freezes its copy of the tied weight, rank 0 does not: the first step raises."""
     parts, mine = _tied_gpt_stages(2, "loop")

@@ -55,15 +55,19 @@ def _stage_problem(stage_index, num_stages, group_rank: int, group_size: int,
 
 def _ties(module: nn.Module, stage_index: int, num_stages: int, group, group_size: int,
           placement: str) -> tuple[list, list[str]]:
-    """This stage's trainable parameters that :func:`~shardkit.nn.pipe.split_sequential` found to be
-    the same tensor as a parameter of a stage another rank runs (see :mod:`~shardkit.nn.pipe.ties`),
-    and what about them cannot run. Local; no communication."""
+    """This stage's parameters that :func:`~shardkit.nn.pipe.split_sequential` found to be the
+    same tensor as a parameter of a stage another rank runs (see
+    :mod:`~shardkit.nn.pipe.ties`; frozen ones too, which may be unfrozen later, except in a
+    stage module that reduces its gradients itself), and what about them cannot run. Local;
+    no communication."""
     count, shared = shared_parameters(module)
     if count != num_stages or not shared:
         return [], []
     where = lambda s: stage_rank(s, num_stages, group_size, placement)  # noqa: E731
     ties, problems = cross_rank_ties(shared, stage_index, where, where(stage_index),
                                      lambda r: dist.get_global_rank(group, r))
+    if _reduces_itself(module):
+        ties = [tie for tie in ties if tie.param.requires_grad]
     if ties and _reduces_itself(module):
         problems.append(f"stage {stage_index}'s parameter {ties[0].name!r} is tied with stage "
                         f"{ties[0].other_stage}, which another rank runs, and the stage module "
@@ -316,7 +320,9 @@ class PipelineStage:
     as one. A weight tied across three or more ranks, or inside a ShardedDataParallel / FSDP
     stage module, is refused. When one rank runs both stages (``placement="v"``) nothing
     crosses. Freeze a tied weight on both ranks or on neither (the schedule's first step
-    checks, and raises on every rank); a frozen tie keeps ``.grad`` None, as in one process.
+    checks, and raises on every rank); a frozen tie keeps ``.grad`` None, as in one process,
+    and one frozen when the stages are built and unfrozen later on both ranks trains as one
+    weight again.
 
     .. warning:: The constructor exchanges ``(stage_index, num_stages)`` and what it found
        wrong over ``group`` (one small all-gather) so every rank raises the same error on a
@@ -367,7 +373,7 @@ class PipelineStage:
         self.data_parallel_group = replicas
         self.placement = placement
         self.group_size = group_size
-        self.ties = ties  # trainable weights shared with a stage another rank runs
+        self.ties = ties  # weights shared with a stage another rank runs
         self.tie_copies = _tie_copies(module, stage_index, num_stages, group_size, placement)
         self.prev_rank = self.global_rank_of(stage_index - 1) if stage_index > 0 else None
         self.next_rank = (self.global_rank_of(stage_index + 1)

@@ -6,9 +6,15 @@ of the gradient to its own, so both optimizers apply the same update. The later 
 ``shared = True`` (Megatron's mark), so :func:`shardkit.nn.model_parallel.clip_grad_norm`
 counts it once.
 
-Cost per training step, for each tied weight of ``S`` bytes on this rank: one send of ``S``
-bytes to the other copy's rank (this step's gradient, not what earlier steps accumulated into
-``.grad``) and one receive; memory: a copy of the ``.grad`` the step started with, when there
+A tie frozen when the stages are built is kept too, and is added up again from the first
+training step after both ranks unfroze it (its copies must then hold the same values, as
+:func:`~shardkit.nn.pipe.split_sequential` of one model gives: only ties trainable at the first
+step take the earlier copy's values).
+
+Cost per training step, for each tied weight of ``S`` bytes on this rank: a one-element message
+each way (whether each copy is trainable), then, where both are, one send of ``S`` bytes to the
+other copy's rank (this step's gradient, not what earlier steps accumulated into ``.grad``) and
+one receive; memory: a copy of the ``.grad`` the step started with, when there
 was one (gradient accumulation across steps), and the received gradient while it is added.
 """
 
@@ -62,7 +68,7 @@ class TiedWeights:
             self._index[tie.key] = sum(1 for k in self._index if (k[0], k[2]) == pair)
             if self._index[tie.key] >= MAX_TENSORS:
                 raise ValueError(f"stages {pair[0]} and {pair[1]} share more than "
-                                 f"{MAX_TENSORS} trainable weights across ranks; tie fewer")
+                                 f"{MAX_TENSORS} weights across ranks; tie fewer")
         self._synced = False
         self._before: list = []
 
@@ -90,12 +96,15 @@ class TiedWeights:
                 work.wait()
 
     def sync_weights(self) -> None:
-        """Once, before the first step: the later stage's copy takes the earlier one's values
-        (ranks that initialised the model differently then still train one weight)."""
+        """Once, before the first step: the later stage's copy of each trainable tie takes the
+        earlier one's values (ranks that initialised the model differently then still train
+        one weight; the first step's checks make both ranks agree on which are trainable)."""
         if self._synced:
             return
-        outgoing = [t.param.detach().contiguous() if t.is_earlier else None for t in self.ties]
-        incoming = [None if t.is_earlier else torch.empty_like(t.param) for t in self.ties]
+        outgoing = [t.param.detach().contiguous() if t.is_earlier and t.param.requires_grad
+                    else None for t in self.ties]
+        incoming = [None if t.is_earlier or not t.param.requires_grad
+                    else torch.empty_like(t.param) for t in self.ties]
         self._exchange(outgoing, incoming, "values")
         with torch.no_grad():
             for tie, values in zip(self.ties, incoming):
@@ -109,20 +118,31 @@ class TiedWeights:
         self._before = [None if t.param.grad is None else t.param.grad.clone()
                         for t in self.ties]
 
+    def _trainable_on_both(self) -> list[bool]:
+        """Whether each tie's two copies require grad now: a one-element message each way per
+        tie, so that a weight frozen when the stages were built and unfrozen later (on both
+        ranks) is added up again, and a frozen one sends nothing."""
+        mine = [torch.tensor([float(t.param.requires_grad)], device=t.param.device)
+                for t in self.ties]
+        theirs = [torch.empty_like(flag) for flag in mine]
+        self._exchange(mine, theirs, "trainable flags")
+        return [t.param.requires_grad and bool(flag.item()) for t, flag in zip(self.ties, theirs)]
+
     def add_gradients(self) -> None:
         """After a training step's backward: each copy gets the other's share of this step's
-        gradient, so both hold the tied weight's whole gradient. A tie frozen after the stages
-        were built (on both ranks: the first step checks) keeps ``.grad`` None, so an
-        optimizer's weight decay or momentum leaves it alone, as in one process."""
+        gradient, so both hold the tied weight's whole gradient. A tie frozen on both ranks
+        (when the stages were built or later) keeps ``.grad`` None, so an optimizer's weight
+        decay or momentum leaves it alone, as in one process."""
+        both = self._trainable_on_both()
         mine = []
-        for tie, before in zip(self.ties, self._before):
+        for tie, before, trains in zip(self.ties, self._before, both):
             grad = tie.param.grad
             share = torch.zeros_like(tie.param) if grad is None else grad.detach().clone()
-            mine.append(share if before is None else share.sub_(before))
-        theirs = [torch.empty_like(share) for share in mine]
+            mine.append(None if not trains else share if before is None else share.sub_(before))
+        theirs = [None if share is None else torch.empty_like(share) for share in mine]
         self._exchange(mine, theirs, "gradients")
         for tie, share in zip(self.ties, theirs):
-            if not tie.param.requires_grad:
+            if share is None:
                 continue  # frozen (on both ranks): .grad stays None, as in one process
             if tie.param.grad is None:
                 tie.param.grad = share
@@ -166,15 +186,16 @@ def frozen_copy_problems(views: list) -> list[str]:
 def cross_rank_ties(shared: dict, stage_index: int, placement_rank, my_rank: int,
                     global_rank) -> tuple[list, list]:
     """From :func:`~shardkit.nn.pipe.partition.shared_parameters`' ``{name: (param, [(stage,
-    name there), ...])}``: the trainable ties with stages another rank runs, and what cannot
-    be supported (a weight shared with stages on two or more other ranks). ``placement_rank``
-    maps a stage to its group rank, ``global_rank`` a group rank to its global rank."""
+    name there), ...])}``: the ties with stages another rank runs, frozen ones too (they may be
+    unfrozen later), and what cannot be supported (a trainable weight shared with stages on two
+    or more other ranks). ``placement_rank`` maps a stage to its group rank, ``global_rank`` a
+    group rank to its global rank."""
     ties, problems = [], []
     for name, (param, others) in shared.items():
-        if not param.requires_grad:
-            continue  # a frozen tie trains no copy
         remote = [(s, n) for s, n in others if placement_rank(s) != my_rank]
         if len({placement_rank(s) for s, _ in remote}) > 1:
+            if not param.requires_grad:
+                continue  # frozen: no copy trains, nothing crosses
             problems.append(f"stage {stage_index}'s parameter {name!r} is tied with stages "
                             f"{sorted(s for s, _ in remote)}, run by several other ranks; a "
                             f"tie may span two ranks only")
