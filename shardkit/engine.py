@@ -45,7 +45,12 @@ rank at stage 0, ``4Ψ + 12Ψ/N`` at stage 1, ``2Ψ + 14Ψ/N`` at stage 2 (Adam)
 and the parameter sync moving 16-bit values; the overflow check, unscaling and clipping act on
 the gradients widened to fp32, and checkpoints hold the fp32 masters as the weights. At stage 3
 a model passed in fp16 or bf16 has its trainable 16-bit parameters and buffers cast to fp32
-first (rank 0 says so): FSDP keeps fp32 shards and computes in 16 bits. A step
+first (rank 0 says so): FSDP keeps fp32 shards (the masters, ``16Ψ/N`` with Adam) under a
+mixed-precision policy, as DeepSpeed's ZeRO-3: each unit is all-gathered and computed in the
+16-bit dtype (buffers keep their dtype, but BatchNorm statistics are cast to the 16-bit one to
+match the weights), and gradients are reduce-scattered in the
+16-bit dtype, or in ``communication_data_type`` (``"fp32"``: fp32), then kept fp32 in the
+shards; the plan's ``--mixed-precision`` bytes, half of fp32 training's. A step
 whose gradients hold inf/nan is skipped under fp16, and under bf16 unless
 ``bf16.check_grad_overflow`` is false (DeepSpeed's default, true); the decision is all-reduced
 (one element) so every rank skips together. A script's own ``engine.optimizer.step()`` gets
@@ -61,9 +66,10 @@ Without any optimizer (no ``optimizer=`` and no config ``optimizer`` section: De
 reference, reward and EMA engines, "ZeRO-3 inference") ``initialize`` returns a forward-only
 engine, ``optimizer`` and ``lr_scheduler`` ``None``: stage 3 shards the parameters with FSDP
 (``4Ψ/N`` bytes of fp32 parameters per rank, no gradients, no optimizer state; each forward
-all-gathers the units it runs); stages 0-2 have nothing to shard without an optimizer and keep
-the model whole (``4Ψ``, rank 0's weights broadcast once, forwards local; ``2Ψ`` with
-``fp16``/``bf16``, whose 16-bit weights they keep). ``fp16``/``bf16`` run the forward under
+all-gathers the units it runs, in the 16-bit dtype under ``fp16``/``bf16``); stages 0-2 have
+nothing to shard without an optimizer and keep the model whole (``4Ψ``, rank 0's weights
+broadcast once, forwards local; ``2Ψ`` with ``fp16``/``bf16``, whose 16-bit weights they
+keep). ``fp16``/``bf16`` run the forward under
 ``torch.autocast`` as with an optimizer. ``engine.backward`` and
 ``engine.step`` are a RuntimeError on every rank before any collective, as DeepSpeed asserts;
 ``module_state_dict``, ``save_16bit_model`` and ``save_checkpoint``/``load_checkpoint``
@@ -101,7 +107,8 @@ from shardkit.engine_compose import (_HALF_DTYPES, _checks_of_compose, _left_out
                                      _shown, compose_from_config)
 from shardkit.engine_config_sources import _config_source, _flat_config
 from shardkit.engine_data_loader import DeepSpeedIO, _check_dataset
-from shardkit.engine_master_weights import _keep_16bit_weights, _keep_fp32_master_weights
+from shardkit.engine_master_weights import (_batchnorm_statistics_in, _keep_16bit_weights,
+                                            _keep_fp32_master_weights)
 from shardkit.engine_model_weights import ModelWeights
 from shardkit.engine_offload import OffloadStates
 from shardkit.engine_optimizer_hooks import _expose_offload_on_optimizer, _guard_direct_steps
@@ -1117,10 +1124,14 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         cast = _keep_fp32_master_weights(model, recipe, cfg.zero.stage, wrap_policy)
         if cast and distributed.get_rank() == 0:
             logger.warning("%s training: %d 16-bit parameters and buffers of the model were cast "
-                           "to fp32 master weights (the forward still runs in %s under autocast), "
+                           "to fp32 master weights (FSDP still gathers and computes them in %s), "
                            "as DeepSpeed keeps fp32 master weights; stepping 16-bit weights "
                            "would lose small updates", cfg.precision.dtype, cast,
                            cfg.precision.dtype)
+    if cfg.precision.dtype != "fp32" and cfg.zero.stage == 3:
+        # FSDP gathers the weights in 16 bits and keeps buffers' dtypes: a BatchNorm's
+        # statistics must match its weights
+        _batchnorm_statistics_in(model, _HALF_DTYPES[cfg.precision.dtype])
     if cfg.zero.stage < 3 and cfg.zero.offload_optimizer_device == "cpu" \
             and next(model.parameters()).is_cuda and distributed.get_rank() == 0:
         logger.warning("zero_optimization.offload_optimizer: CPU offload is implemented at "

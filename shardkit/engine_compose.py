@@ -79,9 +79,27 @@ def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg:
                       quantize_weights=zero.quantized_weights,
                       quantize_gradients=zero.quantized_gradients,
                       hpz_partition_size=zero.hpz_partition_size)
-    if cfg.communication_dtype is not None:
+    if zero.stage == 3 and cfg.precision.dtype != "fp32":
+        kwargs["mixed_precision"] = _stage3_mixed_precision(cfg)
+    elif cfg.communication_dtype is not None:
         kwargs["reduce_dtype"] = _HALF_DTYPES[cfg.communication_dtype]
     return kwargs
+
+
+def _stage3_mixed_precision(cfg: EngineConfig):
+    """Stage 3 under ``fp16``/``bf16``: FSDP's policy, as DeepSpeed's ZeRO-3 (16-bit
+    parameters gathered and computed in, gradients reduce-scattered in
+    ``communication_data_type``, by default the 16-bit dtype) while the fp32 shards stay the
+    masters the optimizer steps. Buffers keep their dtypes, as DeepSpeed's (``initialize``
+    casts BatchNorm statistics to the 16-bit dtype first,
+    :func:`~shardkit.engine_master_weights._batchnorm_statistics_in`). Local."""
+    from shardkit.config import _COMM_DTYPES
+    from shardkit.nn.data_parallel.mixed_precision import MixedPrecisionPolicy
+    named = cfg.raw.get("communication_data_type")
+    wire = None if named is None else _COMM_DTYPES[named.lower()]
+    reduce = None if wire is None else {"fp32": torch.float32, **_HALF_DTYPES}[wire]
+    return MixedPrecisionPolicy(param_dtype=_HALF_DTYPES[cfg.precision.dtype],
+                                reduce_dtype=reduce, keep_buffer_dtypes=True)
 
 
 def _left_out_of_optimizer(model: nn.Module, recipe: Optional[OptimizerRecipe]) -> list[str]:

@@ -5,7 +5,8 @@ stages 1-2 each rank's OSS shard, for the parameters it owns), DeepSpeed's layou
 DESIGN.md's mixed-precision column. Stage 3 (:func:`_keep_fp32_master_weights`): a model passed
 with 16-bit weights gets its trainable 16-bit parameters, their gradients and optimizer state,
 and its 16-bit buffers cast to fp32, which FSDP shards and steps as the masters (one dtype per
-FSDP unit). Local; memory: the cast tensors halve or double.
+FSDP unit), gathering and computing them in 16 bits (:mod:`shardkit.engine_compose`'s
+mixed-precision policy). Local; memory: the cast tensors halve or double.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: 
     torch.bfloat16)``, ``model.half()``): its fp16/bf16 parameters (the same ``Parameter``
     objects), their gradients, its fp16/bf16 buffers and any state the optimizer already holds
     for those parameters become fp32, so that the master weights and the optimizer state are
-    fp32 and the forward runs in 16 bits under autocast, exactly as for an fp32 model
-    (DeepSpeed keeps fp32 master weights whatever the model's dtype). Stepping the 16-bit
+    fp32 and the forward runs in 16 bits (FSDP's mixed-precision gathers), exactly as for an
+    fp32 model (DeepSpeed keeps fp32 master weights whatever the model's dtype). Stepping the 16-bit
     weights themselves loses every update below half a unit in the last place (bf16 Adam at
     lr 1e-4 barely moves) and Adam's eps underflows in fp16 (the weights became inf).
     Frozen parameters (``requires_grad=False``: a LoRA base model) stay 16-bit, as in
@@ -135,5 +136,28 @@ def _one_dtype_per_unit(model: nn.Module, wrap_policy: Optional[Callable]) -> in
         for param in own:
             if param.dtype in half:
                 param.data = param.data.float()
+                cast += 1
+    return cast
+
+
+def _batchnorm_statistics_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Stage 3 under fp16/bf16: the floating running statistics of the model's BatchNorm
+    layers become ``dtype``, the dtype FSDP gathers their weights in, since torch's
+    ``batch_norm`` refuses 16-bit weights beside fp32 statistics (DeepSpeed's ``module.half()``
+    cast them too). Every other buffer keeps its dtype (DeepSpeed's rule: an fp32 rotary table
+    or scale stays exact, in checkpoints too). A model holding FSDP units the user wrapped is
+    left as it is (their own policy rules them). Returns how many were cast. Local; memory:
+    the statistics halve."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return 0
+    cast = 0
+    for module in model.modules():
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            continue
+        for name in ("running_mean", "running_var"):
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                module._buffers[name] = buffer.to(dtype)
                 cast += 1
     return cast

@@ -231,7 +231,8 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
             column, ``4 + 8`` bytes of optimizer state per stepped element for Adam; at
             stages 1-2 in OSS's shards, whose parameter sync then moves 16-bit weights), and
             clipping measures the gradients widened to fp32. Ignored at stage 3 (FSDP keeps
-            fp32 shards and computes in 16 bits through ``mixed_precision``).
+            fp32 shards and gathers, computes and reduces in 16 bits through
+            ``mixed_precision``, which ``shardkit.initialize`` sets under ``fp16``/``bf16``).
         agree_across_ranks: ``True`` (default): before any wrapper exists, the ranks of
             ``process_group`` exchange what each checked (:func:`agree_on_refusal`), so that a
             refusal only some ranks raise (a model built on the meta device on all ranks but
