@@ -561,6 +561,9 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
         if self._batch_grads:
             self._backward(0, None, self._hand_batch_grads, "handing the batch its gradients")
         self._reshard_stopped_stages()
+        if grad and self._ties:  # a tie frozen on one rank only fails the step everywhere
+            for problem in self._ties.exchange_flags():
+                self._fail(problem)
         if grad and self.num_ranks > 1:  # a backward that raised may not have been heard yet
             self.links.settle(self._group_ranks)
         failed = self.links.failed  # every rank knows by now; no message is left to receive

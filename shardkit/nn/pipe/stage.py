@@ -314,15 +314,15 @@ class PipelineStage:
     Tied weights (a parameter :func:`~shardkit.nn.pipe.split_sequential` put in two stages, as a
     GPT's token embedding and output head): when another rank runs the other stage, each rank holds
     a copy and the schedule keeps them one weight (the later stage's copy takes the earlier one's
-    values before the first step; after each training step the two ranks add each other's
-    share of the gradient: one send of the weight's bytes each way; see
+    values before the first step, frozen or not; after each training step the two ranks add
+    each other's share of the gradient: one send of the weight's bytes each way; see
     :mod:`~shardkit.nn.pipe.ties`), so an optimizer over each stage's parameters trains them
     as one. A weight tied across three or more ranks, or inside a ShardedDataParallel / FSDP
     stage module, is refused. When one rank runs both stages (``placement="v"``) nothing
     crosses. Freeze a tied weight on both ranks or on neither (the schedule's first step
-    checks, and raises on every rank); a frozen tie keeps ``.grad`` None, as in one process,
-    and one frozen when the stages are built and unfrozen later on both ranks trains as one
-    weight again.
+    checks, and raises on every rank; a later training step fails on every rank); a frozen
+    tie keeps ``.grad`` None, as in one process, and one frozen when the stages are built and
+    unfrozen later on both ranks trains as one weight again.
 
     .. warning:: The constructor exchanges ``(stage_index, num_stages)`` and what it found
        wrong over ``group`` (one small all-gather) so every rank raises the same error on a

@@ -6,16 +6,17 @@ of the gradient to its own, so both optimizers apply the same update. The later 
 ``shared = True`` (Megatron's mark), so :func:`shardkit.nn.model_parallel.clip_grad_norm`
 counts it once.
 
-A tie frozen when the stages are built is kept too, and is added up again from the first
-training step after both ranks unfroze it (its copies must then hold the same values, as
-:func:`~shardkit.nn.pipe.split_sequential` of one model gives: only ties trainable at the first
-step take the earlier copy's values).
+A tie frozen when the stages are built is kept too: its values are synced before the first
+step like a trainable tie's, and its gradients are added up again from the first training step
+after both ranks unfroze it.
 
-Cost per training step, for each tied weight of ``S`` bytes on this rank: a one-element message
-each way (whether each copy is trainable), then, where both are, one send of ``S`` bytes to the
-other copy's rank (this step's gradient, not what earlier steps accumulated into ``.grad``) and
-one receive; memory: a copy of the ``.grad`` the step started with, when there
-was one (gradient accumulation across steps), and the received gradient while it is added.
+Cost, for each tied weight of ``S`` bytes on this rank, frozen or not: before the first step,
+one send of ``S`` bytes from the earlier copy's rank to the later one's; per training step, a
+one-element message each way (whether each copy is trainable), then, where both are, one send
+of ``S`` bytes to the other copy's rank (this step's gradient, not what earlier steps
+accumulated into ``.grad``) and one receive; memory: a copy of the ``.grad`` the step started
+with, when there was one (gradient accumulation across steps), and the received gradient while
+it is added.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class TiedWeights:
                 raise ValueError(f"stages {pair[0]} and {pair[1]} share more than "
                                  f"{MAX_TENSORS} weights across ranks; tie fewer")
         self._synced = False
+        self._trains: list = []  # per tie, from exchange_flags
         self._before: list = []
 
     def __bool__(self) -> bool:
@@ -96,15 +98,14 @@ class TiedWeights:
                 work.wait()
 
     def sync_weights(self) -> None:
-        """Once, before the first step: the later stage's copy of each trainable tie takes the
-        earlier one's values (ranks that initialised the model differently then still train
-        one weight; the first step's checks make both ranks agree on which are trainable)."""
+        """Once, before the first step: the later stage's copy of each tie, frozen or not,
+        takes the earlier one's values (ranks that initialised the model differently then
+        still compute with one weight, and train one once it is trainable, as DeepSpeed's
+        broadcast of every tied weight at construction gives)."""
         if self._synced:
             return
-        outgoing = [t.param.detach().contiguous() if t.is_earlier and t.param.requires_grad
-                    else None for t in self.ties]
-        incoming = [None if t.is_earlier or not t.param.requires_grad
-                    else torch.empty_like(t.param) for t in self.ties]
+        outgoing = [t.param.detach().contiguous() if t.is_earlier else None for t in self.ties]
+        incoming = [None if t.is_earlier else torch.empty_like(t.param) for t in self.ties]
         self._exchange(outgoing, incoming, "values")
         with torch.no_grad():
             for tie, values in zip(self.ties, incoming):
@@ -118,24 +119,32 @@ class TiedWeights:
         self._before = [None if t.param.grad is None else t.param.grad.clone()
                         for t in self.ties]
 
-    def _trainable_on_both(self) -> list[bool]:
-        """Whether each tie's two copies require grad now: a one-element message each way per
-        tie, so that a weight frozen when the stages were built and unfrozen later (on both
-        ranks) is added up again, and a frozen one sends nothing."""
+    def exchange_flags(self) -> list[str]:
+        """After a training step's backward, before its verdict: whether each tie's two copies
+        require grad now (a one-element message each way per tie), so that a weight frozen when
+        the stages were built and unfrozen later (on both ranks) is added up again, and a
+        frozen one sends nothing. Returns a problem for each tie frozen on one rank only since
+        the first step's checks (it would train as two weights)."""
         mine = [torch.tensor([float(t.param.requires_grad)], device=t.param.device)
                 for t in self.ties]
         theirs = [torch.empty_like(flag) for flag in mine]
         self._exchange(mine, theirs, "trainable flags")
-        return [t.param.requires_grad and bool(flag.item()) for t, flag in zip(self.ties, theirs)]
+        theirs = [bool(flag.item()) for flag in theirs]
+        self._trains = [t.param.requires_grad and other for t, other in zip(self.ties, theirs)]
+        return [f"the tied weight (stage {t.key[0]}'s {t.key[1]!r} = stage {t.key[2]}'s "
+                f"{t.key[3]!r}) is {'trainable' if t.param.requires_grad else 'frozen'} here and "
+                f"{'trainable' if other else 'frozen (requires_grad=False)'} on global rank "
+                f"{t.peer}; freeze both copies or neither"
+                for t, other in zip(self.ties, theirs) if t.param.requires_grad != other]
 
     def add_gradients(self) -> None:
         """After a training step's backward: each copy gets the other's share of this step's
-        gradient, so both hold the tied weight's whole gradient. A tie frozen on both ranks
-        (when the stages were built or later) keeps ``.grad`` None, so an optimizer's weight
-        decay or momentum leaves it alone, as in one process."""
-        both = self._trainable_on_both()
+        gradient (where :meth:`exchange_flags` found both trainable), so both hold the tied
+        weight's whole gradient. A tie frozen on both ranks (when the stages were built or
+        later) keeps ``.grad`` None, so an optimizer's weight decay or momentum leaves it
+        alone, as in one process."""
         mine = []
-        for tie, before, trains in zip(self.ties, self._before, both):
+        for tie, before, trains in zip(self.ties, self._before, self._trains):
             grad = tie.param.grad
             share = torch.zeros_like(tie.param) if grad is None else grad.detach().clone()
             mine.append(None if not trains else share if before is None else share.sub_(before))
