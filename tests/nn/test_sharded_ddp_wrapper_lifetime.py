@@ -200,3 +200,25 @@ def test_no_grad_forward_of_an_earlier_wrapper_leaves_the_newest_one_reducing(wo
     for which in ("kept", "encoder"):
         for worst in world2.run(_no_grad_forward_of_another_wrapper_before_backward, which):
             assert worst < 1e-6, (which, worst)
+
+
+def _parameters_swapped_by_load_state_dict() -> bool:
+    """``load_state_dict`` through torch's ``swap_tensors`` (the path of
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``, which the engine's HF
+    reloads take) on a wrapped module: torch refuses a tensor with a weak reference to it
+    ("Cannot swap t1 because it has weakref associated with it"), so the wrapper must hold
+    none."""
+    model = _model()
+    ShardedDataParallel(model, OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1))
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(state)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    return all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+def test_parameters_of_a_wrapped_module_can_be_swapped(world2):
+    assert all(world2.run(_parameters_swapped_by_load_state_dict))

@@ -960,7 +960,11 @@ def _same_signature(a: tuple, b: Optional[tuple]) -> bool:
         len(x) == len(y) and all(u is v for u, v in zip(x, y)) for x, y in zip(a[2:], b[2:]))
 
 
-# id(param) -> (weakref to it, weakref to the ShardedDataParallel whose hooks it carries)
+# id(param) -> (weakref to the ShardedDataParallel whose hooks it carries, that wrapper's dict
+# of hooked parameters). Note: no weak reference to the parameter itself: torch's
+# ``swap_tensors`` (``load_state_dict`` under ``swap_module_params_on_conversion``) refuses a
+# tensor that has one. The wrapper's dict holds its parameters while their hooks are on, so an
+# id found in it is that parameter's (ids are reused only after an object is freed).
 _HOOKS_HELD_BY: dict = {}
 
 
@@ -969,22 +973,20 @@ def _take_hooks_over(p: torch.Tensor, wrapper: ShardedDataParallel) -> None:
     wrapper of the same parameter (the user re-wrapped the module, keeping it) releases its
     hooks, as FairScale's and torch DDP's earlier wrappers reduce nothing for forwards they did
     not run; its hooks reduced every gradient a second time and kept it alive. One dict entry
-    per hooked parameter, dropped with the parameter."""
-    key = id(p)
-    held = _HOOKS_HELD_BY.get(key)
-    previous = held[1]() if held is not None and held[0]() is p else None
+    per hooked parameter, dropped when its hooks are removed."""
+    held = _HOOKS_HELD_BY.get(id(p))
+    previous = held[0]() if held is not None and p in held[1] else None
     if previous is not None and previous is not wrapper:
         previous._release_hooks()
-
-    def forget(ref, key=key):
-        if _HOOKS_HELD_BY.get(key, (None,))[0] is ref:
-            del _HOOKS_HELD_BY[key]
-    _HOOKS_HELD_BY[key] = (weakref.ref(p, forget), weakref.ref(wrapper))
+    _HOOKS_HELD_BY[id(p)] = (weakref.ref(wrapper), wrapper._hooked)
 
 
 def _remove_hooks(hooked: dict) -> None:
     """Remove the hook handles in ``hooked`` (param -> handles) and forget them."""
-    for handles in hooked.values():
+    for p, handles in hooked.items():
         for handle in handles:
             handle.remove()
+        held = _HOOKS_HELD_BY.get(id(p))
+        if held is not None and held[1] is hooked:
+            del _HOOKS_HELD_BY[id(p)]
     hooked.clear()
