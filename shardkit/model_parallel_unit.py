@@ -17,15 +17,13 @@ from typing import Optional
 import torch.nn as nn
 
 from shardkit import distributed
+from shardkit.checkpoint.sharded import TENSOR_PARALLEL_LAYOUT
 from shardkit.config import ConfigError
 from shardkit.utils.grad_norm import tensor_parallel_groups
 
 __all__ = ["MPU_METHODS", "ModelParallelGroups", "model_parallel_groups", "mp_rank_name",
            "checkpoint_location", "TENSOR_PARALLEL_LAYOUT",
            "write_tensor_parallel_layout", "read_tensor_parallel_layout"]
-
-# in a tensor-parallel checkpoint's TAG directory: how the mp_rank_XX slices join
-TENSOR_PARALLEL_LAYOUT = "tensor_parallel.json"
 
 
 # DeepSpeed's model-parallel unit (``mpu=``): the methods the engine calls on it

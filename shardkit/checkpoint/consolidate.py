@@ -28,15 +28,12 @@ from typing import Optional
 import torch
 
 from shardkit.checkpoint.file_writes import save_torch_file
-from shardkit.checkpoint.sharded import (LATEST, METADATA, CheckpointError, read_checkpoint,
-                                         read_latest_tag, resolve_checkpoint_dir)
+from shardkit.checkpoint.sharded import (LATEST, METADATA, TENSOR_PARALLEL_LAYOUT,
+                                         CheckpointError, read_checkpoint, read_latest_tag,
+                                         resolve_checkpoint_dir)
 
 __all__ = ["consolidate_checkpoint", "save_hf_pretrained", "main", "tags_found",
-           "is_tag_directory", "TP_LAYOUT"]
-
-# the file a tensor-parallel engine's checkpoint keeps in its tag directory
-# (shardkit.model_parallel_unit.TENSOR_PARALLEL_LAYOUT)
-TP_LAYOUT = "tensor_parallel.json"
+           "is_tag_directory"]
 
 
 def consolidate_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> dict:
@@ -77,14 +74,15 @@ def tags_found(checkpoint_dir: str) -> list:
     if not os.path.isdir(checkpoint_dir):
         return []
     return sorted(d for d in os.listdir(checkpoint_dir) if not d.startswith(".") and any(
-        os.path.isfile(os.path.join(checkpoint_dir, d, f)) for f in (METADATA, TP_LAYOUT)))
+        os.path.isfile(os.path.join(checkpoint_dir, d, f))
+        for f in (METADATA, TENSOR_PARALLEL_LAYOUT)))
 
 
 def is_tag_directory(path: str) -> bool:
     """Whether ``path`` is itself one tag's checkpoint (``DIR/TAG``, what users pass by
     mistake for ``DIR``): its files, and no ``latest`` beside them."""
     return not os.path.isfile(os.path.join(path, LATEST)) and any(
-        os.path.isfile(os.path.join(path, f)) for f in (METADATA, TP_LAYOUT))
+        os.path.isfile(os.path.join(path, f)) for f in (METADATA, TENSOR_PARALLEL_LAYOUT))
 
 
 def _plain_state(path: str) -> dict:

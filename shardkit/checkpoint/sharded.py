@@ -77,6 +77,8 @@ __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "RowsWa
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
 METADATA = "metadata.json"
+# in a tensor-parallel checkpoint's TAG directory: how the mp_rank_XX slices join
+TENSOR_PARALLEL_LAYOUT = "tensor_parallel.json"
 ENGINE_FILE = "engine.pt"
 DIGEST_SUFFIX = ".sha256"  # a rank's checksum of its file, folded into the metadata by rank 0
 

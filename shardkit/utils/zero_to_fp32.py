@@ -35,11 +35,11 @@ from typing import Optional, Union
 
 import torch
 
-from shardkit.checkpoint.consolidate import TP_LAYOUT as _TP_LAYOUT
 from shardkit.checkpoint.consolidate import _save_atomically, consolidate_checkpoint
 from shardkit.checkpoint.consolidate import is_tag_directory as _is_tag_directory
 from shardkit.checkpoint.consolidate import tags_found as _tags_found
-from shardkit.checkpoint.sharded import (LATEST, METADATA, RECOVERY_SCRIPT, CheckpointError,
+from shardkit.checkpoint.sharded import (LATEST, METADATA, RECOVERY_SCRIPT,
+                                         TENSOR_PARALLEL_LAYOUT, CheckpointError,
                                          check_tag, read_latest_tag, read_metadata)
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
@@ -139,7 +139,7 @@ def _checkpoint_metadata(checkpoint_dir: str, tag: str) -> dict:
     tag_dir = os.path.join(checkpoint_dir, tag)
     if not os.path.isdir(tag_dir):
         tag_dir = os.path.join(checkpoint_dir, f".old-{tag}")
-    if os.path.isfile(os.path.join(tag_dir, _TP_LAYOUT)):
+    if os.path.isfile(os.path.join(tag_dir, TENSOR_PARALLEL_LAYOUT)):
         tag_dir = os.path.join(tag_dir, "mp_rank_00")
     metadata = read_metadata(tag_dir)
     tied, frozen = metadata.get("tied", {}), metadata.get("frozen", [])
