@@ -15,10 +15,11 @@ import warnings
 import weakref
 import zlib
 from collections import deque
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import sharded_ddp_arguments as args
@@ -27,6 +28,7 @@ from shardkit.nn.data_parallel.gradient_bucket import (BucketLayout, BucketReduc
 from shardkit.nn.data_parallel.sync_batchnorm import (refuse_training_sync_batchnorm,
                                                       sync_batchnorm_layers)
 from shardkit.transport import resolve_transport
+from shardkit.utils.swapped_tensors import reattach_hook_dicts, swapped_since, tensor_mark
 from shardkit.utils.weak_hooks import weakly_bound
 from shardkit.utils.wrapped_attributes import attribute_through
 
@@ -237,7 +239,7 @@ class ShardedDataParallel(nn.Module):
         self._warned_for: Optional[tuple] = None  # the plan signature last warned about
         self.reduce_buffer_size = reduce_buffer_size
 
-        self._hooked: dict = {}               # param -> its two hook handles
+        self._hooked: dict = {}               # param -> _ParamHooks (its two hook handles)
         weakref.finalize(self, _remove_hooks, self._hooked)  # the wrapper dropped
         self._hooks_released = False          # a newer wrapper took this one's hooks
         self._buckets: list[BucketLayout] = []
@@ -295,6 +297,8 @@ class ShardedDataParallel(nn.Module):
             # DDP's reducer: a no-grad one (a target or evaluation pass) between the newest
             # wrapper's forward and its backward took every hook the newest one held
             self._take_hooks_back()
+        elif torch.is_grad_enabled() and self._hooked:
+            self._rehook_swapped_parameters()
         if self._sync_enabled:
             self._check_grads_do_not_require_grad(
                 p.grad for p in self._trainable if p.grad is not None)
@@ -692,18 +696,34 @@ class ShardedDataParallel(nn.Module):
                              f"requires_grad=False on them")
         return owner_of
 
-    def _hook(self, p: torch.Tensor) -> None:
+    def _hook(self, p: torch.Tensor, swapped: bool = False) -> None:
         if p in self._hooked:
             return
+        held = _hooks_held(p)
+        swapped = swapped or (held is not None and swapped_since(p, held.tensor_mark))
         _take_hooks_over(p, self)
+        reattach_hook_dicts(p, swapped)
         # Note: weakly bound, both: torch keeps post-accumulate-grad hooks in C++, where the
         # garbage collector cannot see the cycle back to this wrapper (it kept every ShardedDDP,
         # its module and optimizer alive after the user dropped them); and a module the user
         # keeps holds its parameters' tensor hooks, which kept a dropped wrapper alive and
         # reducing at every backward through the module (a backward on one rank alone hung)
-        self._hooked[p] = (p.register_hook(weakly_bound(self._on_grad_incoming)),
-                           p.register_post_accumulate_grad_hook(
-                               weakly_bound(self._on_grad_accumulated)))
+        self._hooked[p] = _ParamHooks(
+            p.register_hook(weakly_bound(self._on_grad_incoming)),
+            p.register_post_accumulate_grad_hook(weakly_bound(self._on_grad_accumulated)),
+            tensor_mark(p))
+
+    def _rehook_swapped_parameters(self) -> None:
+        """Hook again the parameters given another tensor since they were hooked
+        (``torch.utils.swap_tensors``: ``load_state_dict`` or ``.to()`` under
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``), whose hooks autograd
+        no longer runs: this wrapper reduced none of their gradients and each owner stepped on
+        its own rank's. Local; a dict look-up per hooked parameter."""
+        swapped = [p for p, hooks in self._hooked.items()
+                   if swapped_since(p, hooks.tensor_mark)]
+        for p in swapped:
+            self._hooked.pop(p).remove()
+            self._hook(p, swapped=True)
 
     def _release_hooks(self) -> None:
         """Remove this wrapper's gradient hooks: a newer ShardedDataParallel wraps its
@@ -960,6 +980,20 @@ def _same_signature(a: tuple, b: Optional[tuple]) -> bool:
         len(x) == len(y) and all(u is v for u, v in zip(x, y)) for x, y in zip(a[2:], b[2:]))
 
 
+class _ParamHooks(NamedTuple):
+    """A wrapper's two gradient hooks on a parameter, and the parameter's
+    :func:`~shardkit.utils.swapped_tensors.tensor_mark` when they were registered (a swap of
+    its tensor detaches them)."""
+
+    incoming: RemovableHandle
+    accumulated: RemovableHandle
+    tensor_mark: int
+
+    def remove(self) -> None:
+        self.incoming.remove()
+        self.accumulated.remove()
+
+
 # id(param) -> (weakref to the ShardedDataParallel whose hooks it carries, that wrapper's dict
 # of hooked parameters). Note: no weak reference to the parameter itself: torch's
 # ``swap_tensors`` (``load_state_dict`` under ``swap_module_params_on_conversion``) refuses a
@@ -981,11 +1015,16 @@ def _take_hooks_over(p: torch.Tensor, wrapper: ShardedDataParallel) -> None:
     _HOOKS_HELD_BY[id(p)] = (weakref.ref(wrapper), wrapper._hooked)
 
 
+def _hooks_held(p: torch.Tensor) -> Optional[_ParamHooks]:
+    """The hooks ``p`` carries from a ShardedDataParallel, or None."""
+    held = _HOOKS_HELD_BY.get(id(p))
+    return held[1].get(p) if held is not None else None
+
+
 def _remove_hooks(hooked: dict) -> None:
-    """Remove the hook handles in ``hooked`` (param -> handles) and forget them."""
-    for p, handles in hooked.items():
-        for handle in handles:
-            handle.remove()
+    """Remove the hooks in ``hooked`` (param -> :class:`_ParamHooks`) and forget them."""
+    for p, hooks in hooked.items():
+        hooks.remove()
         held = _HOOKS_HELD_BY.get(id(p))
         if held is not None and held[1] is hooked:
             del _HOOKS_HELD_BY[id(p)]
