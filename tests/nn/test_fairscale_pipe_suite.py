@@ -346,7 +346,7 @@ def test_deferred_batch_norm_in_pipe_indivisible_batch_and_failed_forward():
         pipe(torch.randn(10, 3) * 10 + 5)
     gate.fail = False
     for _ in range(2):
-        x = torch.randn(10, 3)  # 4 micro-batches of 3, 3, 2, 2 rows
+        x = torch.randn(14, 3)  # 4 micro-batches of 4, 4, 4, 2 rows (torch.chunk)
         pipe(x).sum().backward()
         bn(x)
         torch.testing.assert_close(pipe[0].running_mean, bn.running_mean, atol=1e-6, rtol=1e-5)

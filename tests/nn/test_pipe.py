@@ -591,3 +591,44 @@ def test_deferred_batch_norm_counts_an_empty_batch_and_refuses_what_it_would_dro
         Pipe(nn.Sequential(nn.Linear(6, 6), Scaled(6)), [2], deferred_batch_norm=True)
     with pytest.raises(ValueError, match="no running statistics"):
         DeferredBatchNorm.from_batch_norm(nn.BatchNorm1d(6, track_running_stats=False))
+
+
+class _Sizes(nn.Module):
+    """Records the batch size of each micro-batch it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.shape[0])
+        return x
+
+
+@pytest.mark.parametrize("rows,chunks,sizes", [(10, 4, [3, 3, 3, 1]), (6, 4, [2, 2, 2]),
+                                               (16, 4, [4] * 4), (5, 8, [1] * 5)])
+def test_micro_batches_are_cut_as_fairscale_cuts_them(rows, chunks, sizes):
+    """FairScale's Pipe cuts a batch with ``torch.chunk`` (pieces of ceil(rows / chunks)
+    samples, the last smaller, so fewer than ``chunks`` of them where that runs out). Before,
+    ``torch.tensor_split``'s pieces ([3, 3, 2, 2] for 10 rows in 4)."""
+    probe = _Sizes()
+    pipe = Pipe(nn.Sequential(probe, nn.Linear(3, 3)), [1, 1], chunks=chunks)
+    pipe(torch.randn(rows, 3))
+    assert probe.seen == sizes
+
+
+@pytest.mark.parametrize("rows", [14, 9])
+def test_a_batch_norm_in_training_sees_fairscales_micro_batches(rows):
+    """14 rows in 4 micro-batches: [4, 4, 4, 2] as in FairScale (not [4, 4, 3, 3]); 9 rows:
+    [3, 3, 3], three micro-batches. Outputs and running statistics as the Sequential run on
+    each of ``x.chunk(4)`` in turn."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    pipe = Pipe(copy.deepcopy(ref), [2, 2], chunks=4, checkpoint="never")
+    x = torch.randn(rows, 5)
+    expected = torch.cat([ref(part) for part in x.chunk(4)])
+    assert torch.allclose(pipe(x), expected, atol=1e-6)
+    pipe_state = pipe.state_dict()
+    for key, value in ref.state_dict().items():
+        mine = pipe_state[_pipe_keys({key: 0}, [2, 2])[0]]
+        assert torch.allclose(value.double(), mine.double(), atol=1e-6), key

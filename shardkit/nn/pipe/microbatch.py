@@ -13,9 +13,9 @@ import torch
 from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
                                  tree_unflatten)
 
-__all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches",
-           "own_microbatches", "split_keyword_arguments", "keyword_argument_problems",
-           "keyword_chunk_dims", "positional_chunk_spec_problem",
+__all__ = ["as_tuple", "batch_size", "split_microbatches", "chunk_microbatches",
+           "join_microbatches", "own_microbatches", "split_keyword_arguments",
+           "keyword_argument_problems", "keyword_chunk_dims", "positional_chunk_spec_problem",
            "keyword_signature", "mergeable_output_problem", "merge_outputs", "part_rows",
            "splits_alike", "split_target", "target_chunk_dims", "target_rows",
            "target_split_problems"]
@@ -52,6 +52,19 @@ def split_microbatches(inputs: Tensors, chunks: int, what: str) -> list[Tensors]
                          f"chunks <= {size}")
     pieces = [torch.tensor_split(t, chunks, dim=0) for t in inputs]
     return [tuple(p[i] for p in pieces) for i in range(chunks)]
+
+
+def chunk_microbatches(inputs: Tensors, chunks: int, what: str) -> list[Tensors]:
+    """Cut every tensor of ``inputs`` along dim 0 as FairScale's Pipe does (``torch.chunk``):
+    pieces of ``ceil(rows / chunks)`` samples, the last one smaller, so fewer than ``chunks``
+    pieces where the rows run out (10 rows in 4: 3, 3, 3, 1; 6 rows in 4: 2, 2, 2). A layer
+    whose output depends on its micro-batch (BatchNorm in training) then gives FairScale's
+    result. An empty batch is one empty piece. Views, no copies."""
+    size = batch_size(inputs, what)
+    if size == 0:
+        return [tuple(inputs)]
+    pieces = [t.chunk(chunks, dim=0) for t in inputs]
+    return [tuple(p[i] for p in pieces) for i in range(len(pieces[0]))]
 
 
 def join_microbatches(outputs: list[Tensors], single: bool):

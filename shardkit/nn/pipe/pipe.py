@@ -10,8 +10,8 @@ import torch.nn as nn
 from shardkit.nn.checkpoint import checkpointed_call
 from shardkit.nn.pipe.batchnorm import (commit_deferred_batch_norms, convert_deferred_batch_norm,
                                         discard_deferred_batch_norms)
-from shardkit.nn.pipe.microbatch import (as_tuple, batch_size, join_microbatches,
-                                         own_microbatches, split_microbatches)
+from shardkit.nn.pipe.microbatch import (as_tuple, chunk_microbatches, join_microbatches,
+                                         own_microbatches)
 from shardkit.nn.pipe.partition import check_balance, split_sequential
 from shardkit.nn.pipe.skip import SkipTracker, use_skip_tracker, verify_skippables
 
@@ -169,8 +169,11 @@ class Pipe(nn.Module):
         devices: one device per partition (``IndexError`` when there are fewer); default:
             ``cuda:0..`` when there are enough GPUs, else ``"cpu"`` for every partition
             (FairScale: every visible GPU, none on a CPU-only machine).
-        chunks: number of micro-batches, taken as ``int(chunks)``. A smaller batch runs as one
-            micro-batch per sample.
+        chunks: number of micro-batches, taken as ``int(chunks)``. The batch is cut as
+            FairScale's Pipe cuts it (``torch.chunk``): micro-batches of ``ceil(rows /
+            chunks)`` samples, the last smaller, so fewer than ``chunks`` where the rows run
+            out (10 rows, ``chunks=4``: 3, 3, 3, 1; 6 rows: 2, 2, 2); a batch smaller than
+            ``chunks`` runs as one micro-batch per sample.
         checkpoint: taken as ``str(checkpoint)``: ``"always"`` (recompute every micro-batch in
             backward), ``"except_last"`` (all but the last, whose backward comes first) or
             ``"never"``. Only in training mode with grad enabled. A checkpointed partition
@@ -282,9 +285,9 @@ class Pipe(nn.Module):
     def forward(self, *inputs):
         """Run the pipeline on a batch: a tensor, or a tuple of tensors with one batch size
         (several positional tensors are taken as that tuple). As in ``nn.Sequential``, each
-        layer gets its predecessor's output (a tensor or a tuple) as its one argument. A batch
-        smaller than ``chunks`` runs as that many micro-batches of one sample; an empty Pipe
-        returns its input; an empty batch (dim 0 of size 0) runs as one empty micro-batch."""
+        layer gets its predecessor's output (a tensor or a tuple) as its one argument. The
+        batch is cut as ``torch.chunk`` cuts it (see ``chunks``); an empty Pipe returns its
+        input; an empty batch (dim 0 of size 0) runs as one empty micro-batch."""
         if not inputs:
             raise TypeError("Pipe.forward: expected a tensor or a tuple of tensors, got no "
                             "input")
@@ -297,9 +300,7 @@ class Pipe(nn.Module):
                             f"{[type(t).__name__ for t in inputs]}")
         if not self.partitions:
             return original
-        size = batch_size(inputs, "Pipe.forward")
-        batches = split_microbatches(inputs, min(self.chunks, size), "Pipe.forward") if size \
-            else [inputs]
+        batches = chunk_microbatches(inputs, self.chunks, "Pipe.forward")
         activations = own_microbatches(batches, torch.is_grad_enabled(), self.devices[0])
         skips = [SkipTracker() for _ in batches]
         packed = [packed] * len(batches)  # whether micro-batch i's activation is a tuple
