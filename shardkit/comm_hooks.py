@@ -30,6 +30,7 @@ from shardkit.kernels.quantize import QMAX
 from shardkit.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
 __all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook",
+           "fp32_allreduce_hook",
            "QuantizedHookState", "quantized_allreduce_hook", "reduce_to_owners_hook",
            "OwnersHookState", "allreduce_hook_for",
            "step_oss_in_ddp_backward"]
@@ -55,7 +56,7 @@ def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.
 
 
 def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
-    hook = f"{_HALF_NAMES[dtype]}_allreduce_hook"
+    hook = f"{_WIRE_NAMES[dtype]}_allreduce_hook"
     _check_group_state(hook, process_group)
     buffer = bucket.buffer()
     _refuse_sparse(hook, buffer)
@@ -72,6 +73,7 @@ def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.F
 
 
 _HALF_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_WIRE_NAMES = {**_HALF_NAMES, torch.float32: "fp32"}
 
 
 def _state_hint(state) -> str:
@@ -135,12 +137,27 @@ def bf16_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Ten
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
 
+def fp32_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket in fp32 (``state`` is the process group or ``None``):
+    a bucket of 16-bit gradients (a model in bf16 / fp16) is widened, each value divided by
+    ``N``, summed in fp32 and rounded back once, as DeepSpeed reduces under
+    ``"communication_data_type": "fp32"``; an fp32 or fp64 bucket goes as
+    :func:`counted_allreduce_hook` sends it.
+
+    Wire: ``2(N-1)/N`` of the bucket's elements x 4 bytes (twice a 16-bit bucket's own).
+    Memory: one fp32 copy of a 16-bit bucket while it is in flight."""
+    if bucket.buffer().dtype in _HALF_NAMES:
+        return _compress_hook(torch.float32, process_group, bucket)
+    return counted_allreduce_hook(process_group, bucket)
+
+
 def allreduce_hook_for(dtype: Optional[torch.dtype]):
-    """The averaging DDP hook that sends ``dtype`` (``None`` or fp32:
-    :func:`counted_allreduce_hook`; fp16 / bf16: their hooks); a ValueError for any other
-    dtype. Costs are the chosen hook's: a 16-bit one sends half the fp32 bytes and holds a
-    16-bit copy of each bucket while it is in flight."""
-    hooks = {None: counted_allreduce_hook, torch.float32: counted_allreduce_hook,
+    """The averaging DDP hook that sends ``dtype`` (``None``: :func:`counted_allreduce_hook`,
+    each bucket in its own dtype; fp32: :func:`fp32_allreduce_hook`, which widens 16-bit
+    buckets; fp16 / bf16: their hooks); a ValueError for any other dtype. Costs are the chosen
+    hook's: a 16-bit one sends half the fp32 bytes and holds a 16-bit copy of each bucket while
+    it is in flight."""
+    hooks = {None: counted_allreduce_hook, torch.float32: fp32_allreduce_hook,
              torch.float16: fp16_allreduce_hook, torch.bfloat16: bf16_allreduce_hook}
     if dtype not in hooks:
         raise ValueError(f"allreduce_hook_for({dtype}): gradients travel in fp32, fp16 or bf16")

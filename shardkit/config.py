@@ -598,7 +598,8 @@ class EngineConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     gradient_clipping: float = 0.0
     steps_per_print: int = 10
-    # communication_data_type: "fp16" / "bf16" reduce the gradients in 16 bits; None: fp32
+    # communication_data_type: "fp16" / "bf16" reduce the gradients in 16 bits, "fp32" in fp32
+    # (16-bit gradients widened for the sum); None: in the gradients' own dtype
     communication_dtype: Optional[str] = None
     raw: Mapping[str, Any] = field(default_factory=dict)
     # every section and key of SCHEMA, checked, with DeepSpeed's defaults filled in (what the
@@ -800,11 +801,10 @@ def _activation_checkpointing_checked(checked: dict) -> ActivationCheckpointingC
 
 
 def _communication_dtype(value: Optional[str], zero: ZeroConfig) -> Optional[str]:
-    """``"fp16"`` / ``"bf16"`` from ``communication_data_type``, ``None`` for fp32 or absent."""
+    """``"fp16"`` / ``"bf16"`` / ``"fp32"`` from ``communication_data_type`` (any of its
+    spellings), ``None`` when absent."""
     dtype = None if value is None else _COMM_DTYPES[value.lower()]
-    if dtype == "fp32":
-        return None
-    if dtype is not None and zero.stage == 3 and zero.quantized_gradients:
+    if dtype not in (None, "fp32") and zero.stage == 3 and zero.quantized_gradients:
         raise ConfigError(f"communication_data_type={value!r} with zero_optimization."
                           f"zero_quantized_gradients=true: qgZ already sends int4 gradients; "
                           f"drop one of the two")

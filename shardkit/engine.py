@@ -103,8 +103,8 @@ from shardkit.deepspeed_compat import ensure_process_group
 from shardkit.engine_accessors import DeepSpeedAccessors, LossScaleReading
 from shardkit.engine_arguments import _check_arguments, _check_sparse_modules
 from shardkit.engine_checkpoint import CheckpointMethods
-from shardkit.engine_compose import (_HALF_DTYPES, _checks_of_compose, _left_out_of_optimizer,
-                                     _shown, compose_from_config)
+from shardkit.engine_compose import (_HALF_DTYPES, _WIRE_DTYPES, _checks_of_compose,
+                                     _left_out_of_optimizer, _shown, compose_from_config)
 from shardkit.engine_config_sources import _config_source, _flat_config
 from shardkit.engine_data_loader import DeepSpeedIO, _check_dataset
 from shardkit.engine_master_weights import (_batchnorm_statistics_in, _keep_16bit_weights,
@@ -807,7 +807,8 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         different parameters unused still agree. The buffer travels in
         ``communication_data_type`` when the config sets one (fp16/bf16: each gradient divided
         by the group size in fp32 first, then cast, as torch's fp16/bf16 compression hooks and
-        the wrappers' own 16-bit reductions do), else in the gradients' own dtypes, one buffer
+        the wrappers' own 16-bit reductions do; fp32: a 16-bit model's gradients widened, summed
+        in fp32 and rounded back once), else in the gradients' own dtypes, one buffer
         per dtype (the fp32 normalization weights of a 16-bit model stay fp32, as in DDP's
         buckets), each gradient divided by the group size before the sum, as DDP's reducer
         divides (an fp16 sum could overflow where the average does not). Costs DDP's
@@ -820,7 +821,9 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         size = distributed.get_world_size(group)
         if not params or size == 1:
             return
-        wire = _HALF_DTYPES.get(self.config.communication_dtype)
+        wire = _WIRE_DTYPES.get(self.config.communication_dtype)
+        if wire == torch.float32 and not any(p.dtype in _HALF_DTYPES.values() for p in params):
+            wire = None  # fp32 (or wider) gradients travel as they are
         grads = [None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
                  for p in params]
         if wire is None:  # each dtype in its own buffer, as DDP's buckets

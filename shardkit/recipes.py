@@ -214,12 +214,14 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
             ``MixedPrecisionPolicy``), for every unit.
         quantize_weights, quantize_gradients, hpz_partition_size: stage 3: FSDP's ZeRO++
             options (qwZ, qgZ, hpZ).
-        reduce_dtype: the dtype fp32 gradients travel and are summed in, divided by N first
-            (``torch.bfloat16`` / ``torch.float16``: half the gradient bytes; ``None`` or fp32:
-            fp32). Stage 0 and 1: torch DDP's bf16/fp16 hook, or
-            :class:`shardkit.comm_hooks.OwnersHookState` with ``reduce_to_owners``; stage 2:
-            ``ShardedDataParallel(reduce_fp16=dtype)``; stage 3: FSDP's
-            ``MixedPrecisionPolicy(reduce_dtype=dtype)`` (weights stay fp32).
+        reduce_dtype: the dtype gradients travel and are summed in, divided by N first
+            (``torch.bfloat16`` / ``torch.float16``: half an fp32 model's gradient bytes;
+            ``torch.float32``: a bf16 / fp16 model's gradients widened for the sum and rounded
+            once, twice their bytes; ``None``: each gradient in its own dtype). Stage 0 and
+            1: torch DDP's bf16/fp16/fp32 hook (:func:`shardkit.comm_hooks.
+            allreduce_hook_for`), or :class:`shardkit.comm_hooks.OwnersHookState` with
+            ``reduce_to_owners``; stage 2: ``ShardedDataParallel(reduce_fp16=dtype)``; stage
+            3: FSDP's ``MixedPrecisionPolicy(reduce_dtype=dtype)`` (weights stay fp32).
         find_unused_parameters: stages 0-1: torch DDP's option, for models whose forward
             leaves some parameters unused (a pooler, an unused head); a walk of the autograd
             graph after each forward. Stages 2-3 need none. Not with a reentrant activation
@@ -383,7 +385,7 @@ def check_composable(model: nn.Module, stage: int, optimizer: Optional[Optimizer
                      sync_bucket_numel=sync_bucket_numel, step_in_backward=step_in_backward,
                      reduce_to_owners=reduce_to_owners)
     reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
-                                         quantize_gradients, step_in_backward)
+                                         quantize_gradients, step_in_backward, model)
     refuse_meta_tensors(model, stage, f"compose(stage={stage})")
     # forward only at stages 0-2: the model stays whole and no gradient is ever reduced
     if optimizer is not None or stage == 3:
@@ -686,8 +688,9 @@ def torch_ddp(model: nn.Module, process_group=None, count_comm: bool = True,
     """Wrap in torch DDP with gradients as views of its buckets (so the bucket storage is the
     gradient storage and ``model_state_bytes`` counts what DDP really holds); with
     ``count_comm`` its all-reduce goes through :func:`shardkit.comm_hooks.
-    counted_allreduce_hook` (fp32, counted by ``CommCounter``); with a 16-bit
-    ``reduce_dtype``, through that dtype's hook (counted too, half the bytes).
+    counted_allreduce_hook` (each bucket in its dtype, counted by ``CommCounter``); with a
+    ``reduce_dtype``, through that dtype's hook (counted too: a 16-bit one half an fp32
+    bucket's bytes, fp32 twice a 16-bit bucket's).
     ``find_unused_parameters``: torch DDP's option (parameters a forward does not use are
     marked ready; costs a walk of the autograd graph after each forward)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -734,13 +737,16 @@ _REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _checked_reduce_dtype(reduce_dtype, stage, mixed_precision, quantize_gradients,
-                          step_in_backward) -> Optional[torch.dtype]:
-    """``compose``'s ``reduce_dtype``, fp32 read as ``None``; what it cannot combine with is a
+                          step_in_backward, model: nn.Module) -> Optional[torch.dtype]:
+    """``compose``'s ``reduce_dtype``, fp32 read as ``None`` where no trainable parameter of
+    ``model`` is 16-bit (fp32 gradients travel as they are; for 16-bit ones fp32 widens the
+    reduction, as DeepSpeed's ``communication_data_type``); what it cannot combine with is a
     ValueError before any wrapper exists."""
     if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
         raise ValueError(f"compose(reduce_dtype={reduce_dtype!r}): valid values are None, "
                          f"torch.float32, torch.bfloat16 and torch.float16")
-    if reduce_dtype in (None, torch.float32):
+    if reduce_dtype is None or (reduce_dtype == torch.float32 and not any(
+            p.dtype in (torch.float16, torch.bfloat16) for p in _trainable(model))):
         return None
     clash = ("mixed_precision (set reduce_dtype in its MixedPrecisionPolicy)"
              if stage == 3 and mixed_precision is not False else

@@ -261,8 +261,9 @@ def test_grad_accum_dtype_naming_what_the_engine_accumulates_in(precision, stage
     assert load_config(config, data_parallel_size=2).precision.dtype == precision
 
 
-@pytest.mark.parametrize("value, dtype", [(None, None), ("fp32", None), ("FP16", "fp16"),
-                                          ("bfloat16", "bf16"), ("bf16", "bf16")])
+@pytest.mark.parametrize("value, dtype", [(None, None), ("fp32", "fp32"), ("float32", "fp32"),
+                                          ("FP16", "fp16"), ("bfloat16", "bf16"),
+                                          ("bf16", "bf16")])
 def test_communication_data_type(value, dtype):
     cfg = load_config({"train_batch_size": 8, "communication_data_type": value},
                       data_parallel_size=2)
