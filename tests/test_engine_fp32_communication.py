@@ -135,3 +135,22 @@ def test_compose_reduce_dtype_fp32_widens_16bit_gradients(world2, stage):
         wide = world2.run(_compose_wire, stage, dtype, torch.float32)[0]
         factor = 2 if dtype == torch.bfloat16 else 1
         assert wide == pytest.approx(factor * plain, rel=0.02), (dtype, plain, wide)
+
+
+def _by_hand_bytes_per_element(stage, comm):
+    """A script that calls ``engine.module`` itself at stages 0-1 has its gradients averaged
+    by the engine: the all-reduce's bytes per element of the model."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    engine, *_ = shardkit.initialize(model=_model(), config=_config(stage, comm=comm))
+    x, y, _, _ = _batch(0, rank, world)
+    counter = distributed.CommCounter()
+    with counter:
+        engine.backward(F.mse_loss(engine.module(x.bfloat16()).float(), y))
+    return counter.by_op.get("all_reduce", 0) / sum(p.numel() for p in _model().parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_engines_own_average_widens_too(world2, stage):
+    half = world2.run(_by_hand_bytes_per_element, stage, None)[0]
+    wide = world2.run(_by_hand_bytes_per_element, stage, "fp32")[0]
+    assert half == pytest.approx(2.0, rel=0.02) and wide == pytest.approx(4.0, rel=0.02)
