@@ -27,16 +27,17 @@ _HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 def tensor_mark(p: torch.Tensor) -> int:
     """The token in ``p``'s ``__dict__``, set at the first call: it stays while ``p`` keeps its
     tensor (``p.data = ...`` included) and is gone after a swap."""
-    mark = p.__dict__.get(_MARK)
+    mark = getattr(p, _MARK, None)
     if mark is None:
-        mark = p.__dict__[_MARK] = next(_TOKENS)
+        mark = next(_TOKENS)
+        setattr(p, _MARK, mark)
     return mark
 
 
 def swapped_since(p: torch.Tensor, mark: int) -> bool:
     """Whether ``p`` was given another tensor by ``swap_tensors`` since :func:`tensor_mark`
     returned ``mark``."""
-    return p.__dict__.get(_MARK) != mark
+    return getattr(p, _MARK, None) != mark
 
 
 def reattach_hook_dicts(p: torch.Tensor, swapped: bool) -> None:
