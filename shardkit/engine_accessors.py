@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import torch
+
 __all__ = ["DeepSpeedAccessors", "LossScaleReading"]
 
 
@@ -203,6 +205,22 @@ class DeepSpeedAccessors:
         """The config's ``sparse_gradients`` (accepted at stage 0 only, where torch DDP reduces
         the sparse gradients of ``sparse=True`` embeddings)."""
         return bool(self.config.checked.get("sparse_gradients", False))
+
+    @property
+    def communication_data_type(self):
+        """DeepSpeed's engine property: the torch dtype gradients are reduced in, the config's
+        ``communication_data_type`` when set (``"fp32"`` included: a 16-bit model's gradients
+        widened for the sum), else the 16-bit precision's dtype, else fp32."""
+        named = self.config.communication_dtype or self.config.precision.dtype
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[named]
+
+    @communication_data_type.setter
+    def communication_data_type(self, value) -> None:
+        # DeepSpeed's setter rewrites its config, read at each reduction; shardkit's wrappers
+        # took their reduction dtype from the config at initialize: say so, not ignore it
+        raise AttributeError(f"engine.communication_data_type = {value!r}: shardkit reduces "
+                             f"gradients in the dtype its wrappers were built with; set "
+                             f"\"communication_data_type\" in the config given to initialize")
 
     def amp_enabled(self) -> bool:
         """Always ``False``: apex AMP is not supported (use ``fp16`` or ``bf16``)."""

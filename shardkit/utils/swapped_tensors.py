@@ -40,15 +40,18 @@ def swapped_since(p: torch.Tensor, mark: int) -> bool:
     return getattr(p, _MARK, None) != mark
 
 
-def reattach_hook_dicts(p: torch.Tensor, swapped: bool) -> None:
-    """Before registering gradient hooks on ``p``: make sure they will run. After a swap
-    (``swapped``) ``p``'s non-empty hook dicts are attached to the tensor it holds now, so the
-    hooks in them (the user's, registered before or after the swap) run as they would have had
-    ``p`` kept its tensor; an empty dict, which may be one left on a swapped tensor, is dropped
-    either way (the next registration starts a new one where autograd looks). Local."""
+def reattach_hook_dicts(p: torch.Tensor) -> None:
+    """Before registering gradient hooks on ``p``: make sure they will run. ``p``'s non-empty
+    hook dicts are attached (again) to the tensor it holds now, so the hooks in them (the
+    user's, registered before or after a swap) run as they would have had ``p`` kept its
+    tensor, once each: torch's setter replaces the one dict hook the tensor carries. Done
+    whether or not a swap is known: one before the first registration, or one after the
+    wrapper holding the token it compares with released its hooks, is seen by no token. An
+    empty dict, which may be one left on a swapped tensor, is dropped (the next registration
+    starts a new one where autograd looks). Local."""
     for name in _HOOK_DICTS:
         hooks = getattr(p, name)
         if hooks is not None and not hooks:
             setattr(p, name, None)
-        elif hooks is not None and swapped:
+        elif hooks is not None:
             setattr(p, name, hooks)  # torch's setter attaches the dict to p's tensor

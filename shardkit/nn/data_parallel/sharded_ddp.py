@@ -696,13 +696,11 @@ class ShardedDataParallel(nn.Module):
                              f"requires_grad=False on them")
         return owner_of
 
-    def _hook(self, p: torch.Tensor, swapped: bool = False) -> None:
+    def _hook(self, p: torch.Tensor) -> None:
         if p in self._hooked:
             return
-        held = _hooks_held(p)
-        swapped = swapped or (held is not None and swapped_since(p, held.tensor_mark))
         _take_hooks_over(p, self)
-        reattach_hook_dicts(p, swapped)
+        reattach_hook_dicts(p)
         # Note: weakly bound, both: torch keeps post-accumulate-grad hooks in C++, where the
         # garbage collector cannot see the cycle back to this wrapper (it kept every ShardedDDP,
         # its module and optimizer alive after the user dropped them); and a module the user
@@ -723,7 +721,7 @@ class ShardedDataParallel(nn.Module):
                    if swapped_since(p, hooks.tensor_mark)]
         for p in swapped:
             self._hooked.pop(p).remove()
-            self._hook(p, swapped=True)
+            self._hook(p)
 
     def _release_hooks(self) -> None:
         """Remove this wrapper's gradient hooks: a newer ShardedDataParallel wraps its
@@ -1013,12 +1011,6 @@ def _take_hooks_over(p: torch.Tensor, wrapper: ShardedDataParallel) -> None:
     if previous is not None and previous is not wrapper:
         previous._release_hooks()
     _HOOKS_HELD_BY[id(p)] = (weakref.ref(wrapper), wrapper._hooked)
-
-
-def _hooks_held(p: torch.Tensor) -> Optional[_ParamHooks]:
-    """The hooks ``p`` carries from a ShardedDataParallel, or None."""
-    held = _HOOKS_HELD_BY.get(id(p))
-    return held[1].get(p) if held is not None else None
 
 
 def _remove_hooks(hooked: dict) -> None:
