@@ -211,12 +211,7 @@ def _parameters_swapped_by_load_state_dict() -> bool:
     model = _model()
     ShardedDataParallel(model, OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1))
     state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        model.load_state_dict(state)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
+    _load_swapping(model, state)
     return all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 
 
