@@ -11,7 +11,8 @@ really send, and the gradients come back averaged in the bucket's own dtype::
     optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=1e-3)
 
 Wire per rank per step (``Ψ`` gradient elements, ``N`` ranks): fp32 DDP ``2Ψ(N-1)/N x 4``
-bytes; ``fp16/bf16_allreduce_hook`` half of it; ``quantized_allreduce_hook`` about
+bytes; ``fp16/bf16_allreduce_hook`` half of it; ``fp32_allreduce_hook`` the fp32 figure for a
+16-bit model too (its gradients summed in fp32); ``quantized_allreduce_hook`` about
 ``bits/32 + 1/block`` of it (a quantized reduce-scatter and a quantized all-gather).
 """
 
