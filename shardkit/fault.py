@@ -137,6 +137,7 @@ class PeerWatchdog:
         self.finished: dict = {}
         # peers whose collective failed with no peer lost -> their error (see explain_...)
         self.gave_up: dict = {}
+        self._gave_up_read_at: dict = {}  # the same peers -> when this thread read it
         # peer -> collectives it had issued on the default group at its last beat read
         self.peer_collectives: dict = {}
         self._on_lost = on_lost or _exit_naming_the_rank
@@ -215,6 +216,7 @@ class PeerWatchdog:
                     elif value is not None and value.startswith(_GAVE_UP):
                         del seen[r]  # it is leaving; not a verdict (see explain_...)
                         self.gave_up[r] = value[len(_GAVE_UP):].decode(errors="replace")
+                        self._gave_up_read_at[r] = now
                     elif value is not None and value.startswith(_FAILED):
                         self._declare(r, f"it stopped on an uncaught "
                                          f"{value[len(_FAILED):].decode(errors='replace')}")
@@ -349,11 +351,21 @@ class PeerWatchdog:
             return sorted(r for r, t in list(self.finished.items())
                           if t >= start - self.timeout_s)
 
+        def gave_up_first():
+            # Note: a peer that gave up before this rank's collective failed left this rank
+            # behind (it was busy past the timeout). One read well after that failed in the
+            # same wait: both timed out at about the same time, and neither is the cause.
+            # A give-up that ended this rank's collective is read within a beat of it; one
+            # from the same wait comes about a whole wait (timeout + beats) later.
+            late = start + (deadline - start) / 2
+            return sorted((r, why) for r, why in list(self.gave_up.items())
+                          if self._gave_up_read_at.get(r, start) <= late)
+
         def answered():
             # Note: a finished peer is named at once only when no peer that could still die
             # is left; else a peer that finished normally (outside the failed sub-group) would
             # be blamed for a death the watchdog is about to name.
-            if self.gave_up:
+            if gave_up_first():
                 return True
             done = set(self.finished)
             return bool(just_finished()) and len(done) == self.world_size - 1
@@ -365,8 +377,9 @@ class PeerWatchdog:
             return  # the default on_lost already ended the process; a custom one was run
         finished = just_finished()
         behind = [] if finished else self._ranks_behind()
-        if self.gave_up:
-            r, why = sorted(self.gave_up.items())[0]
+        causes = gave_up_first()
+        if causes:
+            r, why = causes[0]
             note = (f"shardkit: rank {r} of {self.world_size} stopped after its own collective "
                     f"failed with no peer lost ({why}): this rank was still working (a long "
                     f"save, eval, or a stall) past the process-group timeout.")
@@ -391,6 +404,15 @@ class PeerWatchdog:
                     f"a collective the others issue (SHARDKIT_DEBUG_COLLECTIVES=1 names each "
                     f"rank's collectives). Rank {self.rank} stops; its peers are told when they "
                     f"next communicate.")
+        elif self.gave_up:
+            names = ", ".join(map(str, sorted(self.gave_up)))
+            note = (f"shardkit: rank {self.rank} of {self.world_size}: a collective failed and no "
+                    f"peer was lost within {self.timeout_s:g} s; rank(s) {names} gave up on "
+                    f"their own failed collective at about the same time: the ranks waited in "
+                    f"collectives that do not match (SHARDKIT_DEBUG_COLLECTIVES=1 names each "
+                    f"rank's collectives), or a rank outside them is stalled longer than the "
+                    f"process-group timeout (init_distributed(timeout_s=...)). Rank {self.rank} "
+                    f"stops; its peers are told when they next communicate.")
         else:
             note = (f"shardkit: rank {self.rank} of {self.world_size}: a collective failed and no "
                     f"peer was lost within {self.timeout_s:g} s (every peer still beats): a peer "
