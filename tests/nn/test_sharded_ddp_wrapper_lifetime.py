@@ -328,3 +328,47 @@ def test_users_hooks_across_a_swap_run_once_and_training_matches_one_process(wor
     for how, backwards in (("rewrapped", 5), ("before", 3)):
         for calls, worst in world2.run(_user_hooks_across_a_swap, how):
             assert calls == [backwards] * 4 and worst < 1e-6, (how, calls, worst)
+
+
+def _converted_with_live_gradients():
+    """A step, then ``.to(torch.float64)`` through ``swap_tensors`` while the reduced
+    gradients are still in ``.grad`` (no ``zero_grad()`` yet), on the wrapper and on the
+    one-process model alike, then three more steps, the first adding its gradients to those
+    kept: the largest difference from one process and the dtypes of the kept gradients after
+    the conversion."""
+    oracle, model = _model(), _model()
+    ref = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    wrapped = ShardedDataParallel(model, optimizer)
+    _step(oracle, ref, 0, local=False)
+    _step(wrapped, optimizer, 0, local=True)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        oracle.to(torch.float64)
+        wrapped.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+    worst = 0.0
+    for step in range(1, 4):
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(LOCAL_BATCH * 2, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(LOCAL_BATCH * 2, 3, generator=gen, dtype=torch.float64)
+        mine = slice(skdist.get_rank() * LOCAL_BATCH, (skdist.get_rank() + 1) * LOCAL_BATCH)
+        for net, opt, xs, ys in ((oracle, ref, x, y), (wrapped, optimizer, x[mine], y[mine])):
+            if step > 1:
+                opt.zero_grad()
+            F.mse_loss(net(xs), ys).backward()
+            opt.step()
+        worst = max(worst, _max_diff(model, oracle))
+    return worst, sorted(map(str, dtypes))
+
+
+def test_conversion_through_swap_tensors_with_live_gradients(world2):
+    """Before: the wrapper kept a weak reference to each reduced gradient it put in ``.grad``
+    (to tell whether the next backward accumulates onto it), and ``swap_tensors`` refuses a
+    tensor that has one: ``wrapped.to(torch.float64)`` under
+    ``set_swap_module_params_on_conversion(True)`` raised before ``zero_grad()``."""
+    for worst, dtypes in world2.run(_converted_with_live_gradients):
+        assert worst < 1e-6 and dtypes in ([], ["torch.float64"]), (worst, dtypes)

@@ -258,7 +258,9 @@ class ShardedDataParallel(nn.Module):
         self._arrived: set = set()            # ids of the params whose gradient this backward had
         self._next_launch = 0
         self._in_flight: deque[BucketReduction] = deque()
-        self._carried: dict = {}              # param -> weakref to the reduced grad we gave it
+        # param -> (id, tensor_mark) of the reduced grad this wrapper gave it: not a weak
+        # reference, which swap_tensors refuses (.to() under swap mode with live gradients)
+        self._carried: dict = {}
         self._trainable: list = []            # trainable params, registration order
         self._owner_of: dict = {}
         self._observed: Optional[list] = None  # grads' arrival order, until the order is settled
@@ -722,6 +724,16 @@ class ShardedDataParallel(nn.Module):
         for p in swapped:
             self._hooked.pop(p).remove()
             self._hook(p)
+            self._follow_converted_grad(p)
+
+    def _follow_converted_grad(self, p: torch.Tensor) -> None:
+        """A reduced gradient still in ``p.grad`` when ``.to()`` converted ``p`` through
+        ``swap_tensors`` is the same Python object with a new tensor (and without its mark):
+        it is still the carried one, which the next backward adds to."""
+        grad_id, mark = self._carried.get(p, (None, None))
+        g = p.grad
+        if g is not None and id(g) == grad_id and swapped_since(g, mark):
+            self._carried[p] = (grad_id, tensor_mark(g))
 
     def _release_hooks(self) -> None:
         """Remove this wrapper's gradient hooks: a newer ShardedDataParallel wraps its
@@ -808,10 +820,11 @@ class ShardedDataParallel(nn.Module):
         """Multiply by N each reduced gradient still sitting untouched (same tensor) in an
         owner's ``p.grad``: autograd adds this backward's local gradient to it, the bucket
         divides everything by N, and the reduction then yields carried + mean(new)."""
-        carried = [(p, ref()) for p, ref in self._carried.items()]
+        carried = list(self._carried.items())
         self._carried.clear()
-        for p, g in carried:
-            if g is not None and p.grad is g:
+        for p, (grad_id, mark) in carried:
+            g = p.grad
+            if g is not None and id(g) == grad_id and not swapped_since(g, mark):
                 g.mul_(self.world_size)
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
@@ -894,7 +907,7 @@ class ShardedDataParallel(nn.Module):
         for p, grad in reduction.finish():
             p.grad = grad
             if grad is not None:
-                self._carried[p] = weakref.ref(grad)
+                self._carried[p] = (id(grad), tensor_mark(grad))
         if self._steps_after:
             for o, s in self._steps_after[reduction.layout.index]:
                 self.sharded_optimizers[o]._step_bucket_in_backward(s)
