@@ -25,7 +25,6 @@ the master from the parameter.
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from typing import Callable, Optional
 
@@ -34,6 +33,7 @@ import torch
 from shardkit.optim.local_step import (_unhooked_step, copy_over,
                                        refuse_parameters_held_outside_groups)
 from shardkit.optim.oss_arguments import without_fixed_defaults
+from shardkit.utils.swapped_tensors import swapped_since, tensor_mark
 
 __all__ = ["MasterWeights", "MASTER_WEIGHT_KEY", "HALF_DTYPES", "master_weights_of"]
 
@@ -371,11 +371,15 @@ class MasterWeights(torch.optim.Optimizer):
             master.grad = None
             self._grad_sources.pop(p, None)
             return
+        # Note: a tensor mark, not a weak reference: swap_tensors (.to() under swap mode with
+        # live gradients) refuses a tensor that has one, and gives the grad new values under
+        # the same id and maybe the same version
         source = self._grad_sources.get(p)
-        if source is not None and source[0]() is grad and source[1] == grad._version:
+        if source is not None and not swapped_since(grad, source[0]) \
+                and source[1] == grad._version:
             return
         master.grad = grad.detach().to(torch.float32)
-        self._grad_sources[p] = (weakref.ref(grad), grad._version)
+        self._grad_sources[p] = (tensor_mark(grad), grad._version)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):

@@ -8,7 +8,9 @@ the swap, nor one registered into those dicts after it. A wrapper that reduces g
 such hooks would silently stop reducing. :func:`tensor_mark` puts a token in the parameter's
 ``__dict__`` (which the swap exchanges), :func:`swapped_since` compares it, and
 :func:`reattach_hook_dicts` attaches the parameter's hook dicts to the tensor it holds now.
-Costs one ``__dict__`` entry per parameter; local.
+The mark also recognises a tensor later (a gradient already widened, a parameter already looked
+up) without a weak reference to it, which ``swap_tensors`` refuses.
+Costs one ``__dict__`` entry per marked tensor; local.
 """
 
 from __future__ import annotations

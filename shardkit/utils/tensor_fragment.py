@@ -56,6 +56,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from shardkit import distributed
+from shardkit.utils.swapped_tensors import swapped_since, tensor_mark
 
 __all__ = ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
            "safe_set_full_grad", "safe_get_full_optimizer_state",
@@ -152,12 +153,14 @@ def _unit_of(param) -> tuple:
 def _engine_of(param):
     """The live engine whose model holds ``param``, else ``None``; a found one is remembered
     per parameter (otherwise every registered engine's parameters are walked)."""
+    # Note: the parameter is known by its tensor mark, not a weak reference, which
+    # swap_tensors refuses (a swapped load_state_dict after this call)
     hit = _CACHE.get(id(param))
-    if hit is not None and hit[0]() is param and hit[1]() is not None:
+    if hit is not None and not swapped_since(param, hit[0]) and hit[1]() is not None:
         return hit[1]()
     engine = _owning_engine(param)
     if engine is not None:
-        _CACHE[id(param)] = (weakref.ref(param), weakref.ref(engine))
+        _CACHE[id(param)] = (tensor_mark(param), weakref.ref(engine))
     return engine
 
 
