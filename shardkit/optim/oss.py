@@ -337,6 +337,19 @@ class OSS(torch.optim.Optimizer):
     # ------------------------------------------------------------------ training
 
     @torch.no_grad()
+    def __getstate__(self):
+        # Note: torch's Optimizer.__getstate__ keeps only defaults, state and param_groups, so
+        # a copy lost the partition, the process group and the inner optimizer and failed at
+        # its first step with an AttributeError far from the cause. pickle, torch.save of the
+        # optimizer object and copy.deepcopy (of it, or of a wrapper holding it) all come here.
+        raise TypeError(
+            "OSS cannot be pickled or copied (pickle, torch.save(optimizer), copy.deepcopy, or "
+            "a copy of a ShardedDataParallel holding it): it holds this rank's shard of the "
+            "state, its partition and its process group. Save optimizer.state_dict() "
+            "(consolidate_state_dict() first for the whole state, or "
+            "state_dict(all_ranks=True)), and build a new OSS over the copied model's "
+            "parameters to load it into")
+
     def step(self, closure: Optional[Callable] = None, **kwargs):
         """Step the owned parameters that have a gradient, then re-sync every parameter from
         its owner. ``closure`` and the keyword arguments go to the local optimizer's ``step``,

@@ -199,3 +199,38 @@ def test_step_check_tells_param_groups_by_their_numbers_and_scalars(world2):
         assert message is not None and message.startswith(
             "OSS.step: parameter 1 of param group 0 (shape ()) has a dense gradient, which "
             "SparseAdam"), (rank, message)
+
+
+def _copies_refused() -> dict:
+    """What copying an OSS after a step does: ``copy.deepcopy`` and ``pickle`` of the optimizer,
+    ``copy.deepcopy`` of a ShardedDataParallel holding one; then the original still steps."""
+    import pickle
+    model = nn.Linear(4, 4)
+    optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    said = {}
+    for name, copier in (("deepcopy", copy.deepcopy), ("pickle", pickle.dumps),
+                         ("sdp", lambda o: copy.deepcopy(ShardedDataParallel(model, o)))):
+        try:
+            copier(optimizer)
+            said[name] = "copied"
+        except TypeError as error:
+            said[name] = str(error)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    after = list(model.parameters())
+    said["original steps"] = all(not torch.equal(a, p) for a, p in zip(before, after))
+    return said
+
+
+def test_copying_an_oss_is_refused_naming_what_to_save(world2):
+    """Before: ``copy.deepcopy`` and ``pickle`` went through torch's ``Optimizer.__getstate__``
+    (defaults, state and groups only) and gave an OSS that failed at its first step with
+    "AttributeError: 'OSS' object has no attribute '_found_inf_agreed'"."""
+    for said in world2.run(_copies_refused):
+        for name in ("deepcopy", "pickle", "sdp"):
+            assert said[name].startswith("OSS cannot be pickled or copied"), (name, said)
+            assert "consolidate_state_dict()" in said[name], said
+        assert said["original steps"], said
