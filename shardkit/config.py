@@ -1262,6 +1262,13 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
                       **quantized), notes
 
 
+def accumulation_dtype_name(dtype: str, stage: int) -> str:
+    """The dtype (``"fp32"``, ``"fp16"``, ``"bf16"``) the engine accumulates gradients in for
+    the precision ``dtype`` at ZeRO ``stage``: the 16-bit dtype at stages 0-2 (16-bit gradients,
+    fp32 masters in the optimizer), fp32 otherwise (stage 3's gradient shards are fp32)."""
+    return dtype if dtype != "fp32" and stage < 3 else "fp32"
+
+
 def _check_grad_accum_dtype(name: Optional[str], dtype: str, stage: int) -> None:
     """``data_types.grad_accum_dtype`` must name the dtype the engine accumulates gradients
     in, which precision and stage fix: the model's 16-bit dtype at stages 0-2 under fp16/bf16
@@ -1270,7 +1277,7 @@ def _check_grad_accum_dtype(name: Optional[str], dtype: str, stage: int) -> None
     dtype it names; a ConfigError here, rather than accumulating in another one unsaid."""
     if name is None:
         return
-    accumulated = dtype if dtype != "fp32" and stage < 3 else "fp32"
+    accumulated = accumulation_dtype_name(dtype, stage)
     if _ACCUM_DTYPES[name.lower()] == accumulated:
         return
     if accumulated != "fp32":

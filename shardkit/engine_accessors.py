@@ -15,7 +15,11 @@ from typing import Any, Optional
 
 import torch
 
+from shardkit.config import accumulation_dtype_name
+
 __all__ = ["DeepSpeedAccessors", "LossScaleReading"]
+
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class LossScaleReading(float):
@@ -212,7 +216,7 @@ class DeepSpeedAccessors:
         ``communication_data_type`` when set (``"fp32"`` included: a 16-bit model's gradients
         widened for the sum), else the 16-bit precision's dtype, else fp32."""
         named = self.config.communication_dtype or self.config.precision.dtype
-        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[named]
+        return _TORCH_DTYPES[named]
 
     @communication_data_type.setter
     def communication_data_type(self, value) -> None:
@@ -225,6 +229,48 @@ class DeepSpeedAccessors:
     def amp_enabled(self) -> bool:
         """Always ``False``: apex AMP is not supported (use ``fp16`` or ``bf16``)."""
         return False
+
+    def get_data_types(self) -> tuple:
+        """DeepSpeed's ``(model dtype, gradient accumulation dtype)``: the dtype the config's
+        ``fp16`` / ``bf16`` section runs the model in (fp32 without one), and the dtype the
+        engine accumulates gradients in (what ``data_types.grad_accum_dtype`` must name when
+        set): the model's at stages 0-2, fp32 at stage 3 (DeepSpeed, unset: the model's)."""
+        precision = self.config.precision.dtype
+        return (_TORCH_DTYPES[precision],
+                _TORCH_DTYPES[accumulation_dtype_name(precision, self.config.zero.stage)])
+
+    def dump_state(self) -> bool:
+        """The config's ``dump_state`` (DeepSpeed prints its state at start-up when set)."""
+        return bool(self.config.raw.get("dump_state", False))
+
+    @property
+    def param_names(self) -> dict:
+        """DeepSpeed's ``{parameter: name}`` of the model's parameters, named as in
+        ``engine.module.named_parameters()`` (the user's names, also at stage 3). A walk over
+        the parameters at each read."""
+        return {p: name for name, p in self.module.named_parameters()}
+
+    @property
+    def data_parallel_group(self):
+        """The process group the batch is split over: the data-parallel group under tensor
+        parallelism, else the default group (``torch.distributed.group.WORLD``)."""
+        return self.checkpoint_group or torch.distributed.group.WORLD
+
+    @property
+    def is_compiled(self) -> bool:
+        """DeepSpeed's property: whether ``engine.compile()`` (``nn.Module.compile``) was
+        called, so the engine's forward runs the compiled module."""
+        return getattr(self, "_compiled_call_impl", None) is not None
+
+    @staticmethod
+    def is_map_style_dataset(obj) -> bool:
+        """Whether ``obj`` can be indexed and has a length (DeepSpeed's test)."""
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    @staticmethod
+    def is_iterable_style_dataset(obj) -> bool:
+        """Whether ``obj`` is a ``torch.utils.data.IterableDataset``."""
+        return isinstance(obj, torch.utils.data.IterableDataset)
 
     # -- when the gradients are the reduced ones (DeepSpeed's safe_*_grad functions)
     def _check_full_grads_readable(self, what: str) -> None:

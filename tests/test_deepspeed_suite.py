@@ -463,6 +463,52 @@ def test_initialize_returns_what_deepspeed_returns(world1):
     assert "not attached to the optimizer" in out["foreign-scheduler"]
 
 
+def _engine_attributes():
+    """DeepSpeed engine attributes scripts read: ``get_data_types()``, ``param_names``,
+    ``data_parallel_group``, ``is_compiled``, ``dump_state()`` and the dataset-kind tests."""
+    import torch.distributed as dist
+    out = {}
+    for precision, stage in (("fp32", 0), ("bf16", 2), ("bf16", 3), ("fp16", 1)):
+        cfg = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": stage}, "dump_state": stage == 2}
+        if precision != "fp32":
+            cfg[precision] = {"enabled": True}
+        model = _model()
+        names = [n for n, _ in model.named_parameters()]
+        engine, *_ = shardkit.initialize(model=model, config=cfg)
+        by_param = engine.param_names
+        out[(precision, stage)] = (
+            engine.get_data_types(), engine.dump_state(),
+            sorted(by_param.values()) == sorted(names),
+            all(by_param[p] == n for n, p in engine.module.named_parameters()),
+            engine.data_parallel_group is dist.group.WORLD)
+    engine, *_ = shardkit.initialize(model=_model(), config={"train_batch_size": 1})
+    out["compiled"] = [engine.is_compiled]
+    engine.compile()
+    out["compiled"].append(engine.is_compiled)
+    out["datasets"] = (engine.is_map_style_dataset([1, 2]), engine.is_map_style_dataset(iter([])),
+                       engine.is_iterable_style_dataset(_Stream()),
+                       engine.is_iterable_style_dataset([1]))
+    return out
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+def test_deepspeed_engine_attributes(world1):
+    """They were missing (AttributeError through the engine's module forwarding)."""
+    out = world1.run(_engine_attributes)[0]
+    f32, f16, b16 = torch.float32, torch.float16, torch.bfloat16
+    assert out[("fp32", 0)] == ((f32, f32), False, True, True, True), out
+    assert out[("bf16", 2)] == ((b16, b16), True, True, True, True), out
+    assert out[("bf16", 3)] == ((b16, f32), False, True, True, True), out  # fp32 shards
+    assert out[("fp16", 1)] == ((f16, f16), False, True, True, True), out
+    assert out["compiled"] == [False, True]
+    assert out["datasets"] == (True, False, True, False)
+
+
 def test_deepscale_config_and_checkpoint_dirs(world1, tmp_path):
     out = world1.run(_deepscale_config_and_save_dirs, str(tmp_path))[0]
     assert out["steps"] == 2
