@@ -42,7 +42,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["set_debug_collectives", "debug_collectives_enabled", "CollectiveMismatchError",
+__all__ = ["set_debug_collectives", "debug_collectives_enabled", "enabled_by_environment",
+           "CollectiveMismatchError",
            "check_collective", "FINGERPRINT_BYTES", "encode_fingerprint", "checking_layout"]
 
 FINGERPRINT_BYTES = 512
@@ -50,7 +51,13 @@ FINGERPRINT_BYTES = 512
 CHECKED_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                          "reduce", "barrier", "broadcast_object", "all_gather_object"})
 
-_enabled = os.environ.get("SHARDKIT_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
+
+def enabled_by_environment() -> bool:
+    """Whether ``SHARDKIT_DEBUG_COLLECTIVES`` (read at import) asks for the debug mode."""
+    return os.environ.get("SHARDKIT_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
+
+
+_enabled = enabled_by_environment()
 _sequence: dict[str, int] = {}
 _sequence_world = None  # the default group the counts in _sequence belong to
 _state = threading.local()  # re-entry guard: the check's own all-gather is not checked

@@ -112,8 +112,15 @@ def _set_environ(values: dict) -> None:
 
 # What the fork server imports (why: process_context). torch and torch._dynamo read a few of
 # their settings (TORCH_LOGS, TORCHDYNAMO_*) from the environment at import: a rank sees those
-# as the fork server read them; shardkit's and triton's are read when used.
-_PRELOAD = ["torch", "torch._dynamo"]
+# as the fork server read them; triton's are read when used, and shardkit's one
+# (SHARDKIT_DEBUG_COLLECTIVES) again by each rank (_worker). shardkit's wrappers, and the torch
+# modules they and the tests use, are about 0.5 s of imports a rank would otherwise repeat.
+# Triton kernels are not among them: they are defined when first used.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint",
+            "torch.distributed.pipelining", "torch.distributed.algorithms.ddp_comm_hooks",
+            "shardkit.distributed", "shardkit.nn.data_parallel.fully_sharded",
+            "shardkit.nn.data_parallel.sharded_ddp", "shardkit.optim.oss", "shardkit.engine",
+            "shardkit.nn.pipe", "shardkit.fault"]
 
 
 def process_context():
@@ -128,8 +135,8 @@ def process_context():
     the fork server's.
 
     Cost: the fork server lives as long as the calling process and holds what it imported
-    (about 360 MB resident with torch and ``torch._dynamo`` on CPU); the ranks share those pages
-    copy-on-write. No communication."""
+    (about 400 MB resident with torch, ``torch._dynamo`` and shardkit's wrappers on CPU); the
+    ranks share those pages copy-on-write. No communication."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -162,7 +169,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: s
     import torch
 
     torch.set_num_threads(threads)
-    from shardkit import distributed
+    from shardkit import collective_check, distributed
+    collective_check.set_debug_collectives(collective_check.enabled_by_environment())
 
     try:
         distributed.init_distributed(backend="gloo", timeout_s=_DEFAULT_TIMEOUT)

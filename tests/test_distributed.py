@@ -328,6 +328,23 @@ def test_ranks_see_the_parents_environment_as_it_was_at_start(monkeypatch):
             ("set after the fork server started", "from env=", False, str(r), 1) for r in (0, 1)]
 
 
+def _debug_collectives_on():
+    from shardkit import collective_check
+    return collective_check.debug_collectives_enabled()
+
+
+def test_ranks_read_shardkits_import_time_setting_from_their_environment(monkeypatch):
+    """The fork server imports shardkit (process_context), whose collective debug mode is read
+    from SHARDKIT_DEBUG_COLLECTIVES at import: each rank reads it again from the environment
+    it is given, as a process started afresh would, whatever the fork server saw."""
+    monkeypatch.delenv("SHARDKIT_DEBUG_COLLECTIVES", raising=False)
+    with World(2, env={"SHARDKIT_DEBUG_COLLECTIVES": "1"}) as w:
+        assert w.run(_debug_collectives_on) == [True, True]
+    monkeypatch.setenv("SHARDKIT_DEBUG_COLLECTIVES", "1")
+    with World(2, env={"SHARDKIT_DEBUG_COLLECTIVES": "0"}) as w:
+        assert w.run(_debug_collectives_on) == [False, False]
+
+
 # ----------------------------------------------------------------- side by side: waiting scenarios
 # The init checks and the torchrun scripts below are their own processes, which mostly wait
 # (torch imports, restarts, a 5 s rendezvous timeout). The module-scoped ``background`` fixture
