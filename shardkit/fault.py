@@ -215,8 +215,9 @@ class PeerWatchdog:
                         self.finished[r] = now
                     elif value is not None and value.startswith(_GAVE_UP):
                         del seen[r]  # it is leaving; not a verdict (see explain_...)
-                        self.gave_up[r] = value[len(_GAVE_UP):].decode(errors="replace")
+                        # (its time first: explain_... reads these two from another thread)
                         self._gave_up_read_at[r] = now
+                        self.gave_up[r] = value[len(_GAVE_UP):].decode(errors="replace")
                     elif value is not None and value.startswith(_FAILED):
                         self._declare(r, f"it stopped on an uncaught "
                                          f"{value[len(_FAILED):].decode(errors='replace')}")
@@ -359,7 +360,7 @@ class PeerWatchdog:
             # from the same wait comes about a whole wait (timeout + beats) later.
             late = start + (deadline - start) / 2
             return sorted((r, why) for r, why in list(self.gave_up.items())
-                          if self._gave_up_read_at.get(r, start) <= late)
+                          if self._gave_up_read_at.get(r, math.inf) <= late)
 
         def answered():
             # Note: a finished peer is named at once only when no peer that could still die

@@ -186,6 +186,50 @@ def test_a_peer_that_timed_out_in_the_same_wait_is_not_blamed():
     assert "still working" not in note and "had not reached it" not in note, note
 
 
+def _explained_while_a_give_up_is_half_read(read_after_s: float) -> str:
+    """The watchdog thread caught between its two records of a peer's give-up: it has set
+    ``gave_up`` and sets the time it read it ``read_after_s`` after this rank's collective
+    failed. What ``explain_communication_error`` then says (no process group: a watchdog built
+    without ``__init__``, its thread a stand-in that only sets that time)."""
+    import contextlib
+    import io
+    import threading
+    from shardkit.fault import PeerWatchdog
+    watchdog = PeerWatchdog.__new__(PeerWatchdog)
+    watchdog.timeout_s, watchdog.interval_s, watchdog.rank, watchdog.world_size = 0.4, 0.05, 0, 2
+    watchdog.lost, watchdog.finished, watchdog.peer_collectives = None, {}, {}
+    watchdog.gave_up, watchdog._gave_up_read_at = {1: "RuntimeError: Timed out"}, {}
+    watchdog._verdict, watchdog._stopped = threading.Event(), threading.Event()
+    watchdog._stop_with = lambda value: None
+
+    def finish_the_read():  # then beats on (alive) until the explanation is given
+        time.sleep(read_after_s)
+        watchdog._gave_up_read_at[1] = time.monotonic()
+        watchdog._stopped.wait(10)
+    watchdog._thread = threading.Thread(target=finish_the_read, daemon=True)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        watchdog._thread.start()
+        try:
+            watchdog.explain_communication_error(RuntimeError("Timed out"))
+        finally:
+            watchdog._stopped.set()
+    return said.getvalue()
+
+
+def test_a_give_up_being_read_is_judged_by_when_it_was_read():
+    """Before: a give-up whose read time was not yet recorded (the watchdog thread set
+    ``gave_up`` first) counted as read when this rank's error came, and a peer that gave up in
+    the same wait was named as the cause, what the rule added today avoids. Here the window
+    is 1.6 s, and the read lands 1.0 s in (after its first half)."""
+    note = _explained_while_a_give_up_is_half_read(1.0)
+    assert "rank(s) 1 gave up on their own failed collective at about the same time" in note, \
+        note
+    assert "still working" not in note, note
+    assert "rank 1 of 2 stopped after its own collective failed" in \
+        _explained_while_a_give_up_is_half_read(0.2)
+
+
 def _in_place_ops_on_views() -> dict:
     """An all-reduce and a broadcast of a matrix's column, and an all-reduce of a 4-d tensor
     held channels-last on rank 0 and contiguous on rank 1, on the process-group transport."""

@@ -336,7 +336,6 @@ class OSS(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ training
 
-    @torch.no_grad()
     def __getstate__(self):
         # Note: torch's Optimizer.__getstate__ keeps only defaults, state and param_groups, so
         # a copy lost the partition, the process group and the inner optimizer and failed at
@@ -350,6 +349,7 @@ class OSS(torch.optim.Optimizer):
             "state_dict(all_ranks=True)), and build a new OSS over the copied model's "
             "parameters to load it into")
 
+    @torch.no_grad()
     def step(self, closure: Optional[Callable] = None, **kwargs):
         """Step the owned parameters that have a gradient, then re-sync every parameter from
         its owner. ``closure`` and the keyword arguments go to the local optimizer's ``step``,
