@@ -203,7 +203,9 @@ def test_step_check_tells_param_groups_by_their_numbers_and_scalars(world2):
 
 def _copies_refused() -> dict:
     """What copying an OSS after a step does: ``copy.deepcopy`` and ``pickle`` of the optimizer,
-    ``copy.deepcopy`` of a ShardedDataParallel holding one; then the original still steps."""
+    ``copy.deepcopy`` of a ShardedDataParallel holding one, ``AveragedModel`` of the wrapper;
+    then the original still steps (wrapped), and ``AveragedModel(wrapped.module)`` (what the
+    error advises) averages the live weights."""
     import pickle
     model = nn.Linear(4, 4)
     optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.1)
@@ -217,10 +219,24 @@ def _copies_refused() -> dict:
             said[name] = "copied"
         except TypeError as error:
             said[name] = str(error)
+    wrapped = ShardedDataParallel(model, optimizer)
+    average = torch.optim.swa_utils.AveragedModel(wrapped.module)  # the advised EMA/SWA copy
+    try:
+        torch.optim.swa_utils.AveragedModel(wrapped)
+        said["averaged sdp"] = "copied"
+    except TypeError as error:
+        said["averaged sdp"] = str(error)
     before = [p.detach().clone() for p in model.parameters()]
-    model(torch.ones(2, 4)).sum().backward()
-    optimizer.step()
+    seen = []
+    for _ in range(2):
+        wrapped(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        average.update_parameters(wrapped)
+        seen.append([p.detach().clone() for p in model.parameters()])
     after = list(model.parameters())
+    said["averaged"] = all(torch.allclose(a, (p1 + p2) / 2) for a, p1, p2 in zip(
+        average.module.parameters(), *seen))
     said["original steps"] = all(not torch.equal(a, p) for a, p in zip(before, after))
     return said
 
@@ -230,7 +246,10 @@ def test_copying_an_oss_is_refused_naming_what_to_save(world2):
     (defaults, state and groups only) and gave an OSS that failed at its first step with
     "AttributeError: 'OSS' object has no attribute '_found_inf_agreed'"."""
     for said in world2.run(_copies_refused):
-        for name in ("deepcopy", "pickle", "sdp"):
+        for name in ("deepcopy", "pickle"):
             assert said[name].startswith("OSS cannot be pickled or copied"), (name, said)
             assert "consolidate_state_dict()" in said[name], said
-        assert said["original steps"], said
+        for name in ("sdp", "averaged sdp"):
+            assert said[name].startswith("ShardedDataParallel cannot be pickled or copied"), said
+            assert "copy.deepcopy(model.module)" in said[name], said
+        assert said["original steps"] and said["averaged"], said

@@ -284,6 +284,18 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ public surface
 
+    def __getstate__(self):
+        # Note: a copy would share hooks with, or deep-copy, the OSS optimizers this wrapper
+        # reduces into (which refuse to be copied: they hold this rank's shard). pickle,
+        # torch.save(model) and copy.deepcopy (AveragedModel(model) for EMA/SWA) come here.
+        raise TypeError(
+            "ShardedDataParallel cannot be pickled or copied (pickle, torch.save(model), "
+            "copy.deepcopy, torch.optim.swa_utils.AveragedModel(model)): its hooks reduce "
+            "gradients into the OSS optimizers it was built with, which hold this rank's shard. "
+            "Copy the wrapped module instead: copy.deepcopy(model.module), or "
+            "AveragedModel(model.module) (update_parameters(model) then reads the live "
+            "weights); save model.state_dict()")
+
     def forward(self, *inputs, **kwargs):
         """Run the module; first re-plan if the trainable set changed on any rank
         (``auto_refresh_trainable``: one element per rank all-gathered at a step's first
