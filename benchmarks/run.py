@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 
 from benchmarks.common import CONFIG_BY_NAME, CONFIGS, measure_side_by_side, workloads
-from shardkit.testing import World, WorldError
+from shardkit.testing import World, WorldError, import_only_torch_in_the_fork_server
 from shardkit.utils.charts import BarGroup, write_bar_chart
 
 WORLD_SIZE = 2
@@ -290,6 +290,7 @@ def main(argv=None) -> int:
     live = [c.name for c in configs if c.name not in skipped]
     print(f"benchmarks: world {WORLD_SIZE}, workloads {workload_names}, {args.repeats} rounds; "
           f"live: {', '.join(live)}" + (f"; skipped: {skipped}" if skipped else ""), flush=True)
+    import_only_torch_in_the_fork_server()  # ranks import shardkit as under torchrun
     with World(WORLD_SIZE, timeout=900) as world:
         results = run_workloads(world, live, workload_names, args)
     rows = []

@@ -345,6 +345,36 @@ def test_ranks_read_shardkits_import_time_setting_from_their_environment(monkeyp
         assert w.run(_debug_collectives_on) == [False, False]
 
 
+_FORK_SERVER_SCRIPT = """
+import sys
+from shardkit import testing
+
+def loaded():
+    return "shardkit.nn.data_parallel.fully_sharded" in sys.modules
+
+if __name__ == "__main__":
+    if sys.argv[1] == "torch only":
+        testing.import_only_torch_in_the_fork_server()
+    with testing.World(1) as w:
+        print("wrappers imported in the rank:", w.run(loaded)[0])
+"""
+
+
+def test_benchmarks_can_keep_shardkit_out_of_the_fork_server(tmp_path):
+    """Ranks fork from a server that imported shardkit's wrappers (tests start faster), unless
+    ``import_only_torch_in_the_fork_server()`` came first (benchmarks: ranks import shardkit
+    into their own memory, as under torchrun)."""
+    script = tmp_path / "fork_server.py"
+    script.write_text(_FORK_SERVER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))}
+    for how, expected in (("torch only", "False"), ("default", "True")):
+        proc = subprocess.run([sys.executable, str(script), how], env=env, capture_output=True,
+                              text=True, timeout=180, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"wrappers imported in the rank: {expected}" in proc.stdout, (how, proc.stdout)
+
+
 # ----------------------------------------------------------------- side by side: waiting scenarios
 # The init checks and the torchrun scripts below are their own processes, which mostly wait
 # (torch imports, restarts, a 5 s rendezvous timeout). The module-scoped ``background`` fixture
