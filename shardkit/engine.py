@@ -103,7 +103,7 @@ from shardkit.deepspeed_compat import ensure_process_group
 from shardkit.engine_accessors import DeepSpeedAccessors, LossScaleReading
 from shardkit.engine_arguments import _check_arguments, _check_sparse_modules
 from shardkit.engine_checkpoint import CheckpointMethods
-from shardkit.engine_compose import (_HALF_DTYPES, _WIRE_DTYPES, _checks_of_compose,
+from shardkit.engine_compose import (_HALF_DTYPES, _DTYPE_OF_NAME, _checks_of_compose,
                                      _left_out_of_optimizer, _shown, compose_from_config)
 from shardkit.engine_config_sources import _config_source, _flat_config
 from shardkit.engine_data_loader import DeepSpeedIO, _check_dataset
@@ -821,7 +821,7 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         size = distributed.get_world_size(group)
         if not params or size == 1:
             return
-        wire = _WIRE_DTYPES.get(self.config.communication_dtype)
+        wire = _DTYPE_OF_NAME.get(self.config.communication_dtype)
         if wire == torch.float32 and not any(p.dtype in _HALF_DTYPES.values() for p in params):
             wire = None  # fp32 (or wider) gradients travel as they are
         grads = [None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad

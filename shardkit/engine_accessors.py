@@ -16,10 +16,9 @@ from typing import Any, Optional
 import torch
 
 from shardkit.config import accumulation_dtype_name
+from shardkit.engine_compose import _DTYPE_OF_NAME
 
 __all__ = ["DeepSpeedAccessors", "LossScaleReading"]
-
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class LossScaleReading(float):
@@ -216,7 +215,7 @@ class DeepSpeedAccessors:
         ``communication_data_type`` when set (``"fp32"`` included: a 16-bit model's gradients
         widened for the sum), else the 16-bit precision's dtype, else fp32."""
         named = self.config.communication_dtype or self.config.precision.dtype
-        return _TORCH_DTYPES[named]
+        return _DTYPE_OF_NAME[named]
 
     @communication_data_type.setter
     def communication_data_type(self, value) -> None:
@@ -236,8 +235,8 @@ class DeepSpeedAccessors:
         engine accumulates gradients in (what ``data_types.grad_accum_dtype`` must name when
         set): the model's at stages 0-2, fp32 at stage 3 (DeepSpeed, unset: the model's)."""
         precision = self.config.precision.dtype
-        return (_TORCH_DTYPES[precision],
-                _TORCH_DTYPES[accumulation_dtype_name(precision, self.config.zero.stage)])
+        return (_DTYPE_OF_NAME[precision],
+                _DTYPE_OF_NAME[accumulation_dtype_name(precision, self.config.zero.stage)])
 
     def dump_state(self) -> bool:
         """The config's ``dump_state`` (DeepSpeed prints its state at start-up when set)."""

@@ -18,8 +18,8 @@ from shardkit.recipes import Composition, OptimizerRecipe, check_composable, com
 
 # the config's names of the 16-bit dtypes (precision and communication_data_type)
 _HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# communication_data_type -> the dtype gradients are reduced in
-_WIRE_DTYPES = {**_HALF_DTYPES, "fp32": torch.float32}
+# the config's dtype names (precision, communication_data_type) -> torch dtypes
+_DTYPE_OF_NAME = {**_HALF_DTYPES, "fp32": torch.float32}
 
 
 def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
@@ -84,7 +84,7 @@ def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg:
     if zero.stage == 3 and cfg.precision.dtype != "fp32":
         kwargs["mixed_precision"] = _stage3_mixed_precision(cfg)
     elif cfg.communication_dtype is not None:
-        kwargs["reduce_dtype"] = _WIRE_DTYPES[cfg.communication_dtype]
+        kwargs["reduce_dtype"] = _DTYPE_OF_NAME[cfg.communication_dtype]
     return kwargs
 
 
@@ -96,7 +96,7 @@ def _stage3_mixed_precision(cfg: EngineConfig):
     casts BatchNorm statistics to the 16-bit dtype first,
     :func:`~shardkit.engine_master_weights._batchnorm_statistics_in`). Local."""
     from shardkit.nn.data_parallel.mixed_precision import MixedPrecisionPolicy
-    reduce = _WIRE_DTYPES.get(cfg.communication_dtype)
+    reduce = _DTYPE_OF_NAME.get(cfg.communication_dtype)
     return MixedPrecisionPolicy(param_dtype=_HALF_DTYPES[cfg.precision.dtype],
                                 reduce_dtype=reduce, keep_buffer_dtypes=True)
 

@@ -117,11 +117,11 @@ def _set_environ(values: dict) -> None:
 # (SHARDKIT_DEBUG_COLLECTIVES) again by each rank (_worker). shardkit's wrappers, and the torch
 # modules they and the tests use, are about 0.5 s of imports a rank would otherwise repeat.
 # Triton kernels are not among them: they are defined when first used.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint",
-            "torch.distributed.pipelining", "torch.distributed.algorithms.ddp_comm_hooks",
-            "shardkit.distributed", "shardkit.nn.data_parallel.fully_sharded",
-            "shardkit.nn.data_parallel.sharded_ddp", "shardkit.optim.oss", "shardkit.engine",
-            "shardkit.nn.pipe", "shardkit.fault"]
+_TORCH_ONLY = ("torch", "torch._dynamo")
+_PRELOAD = [*_TORCH_ONLY, "torch.distributed.checkpoint", "torch.distributed.pipelining",
+            "torch.distributed.algorithms.ddp_comm_hooks", "shardkit.distributed",
+            "shardkit.nn.data_parallel.fully_sharded", "shardkit.nn.data_parallel.sharded_ddp",
+            "shardkit.optim.oss", "shardkit.engine", "shardkit.nn.pipe", "shardkit.fault"]
 
 
 def import_only_torch_in_the_fork_server() -> None:
@@ -130,7 +130,7 @@ def import_only_torch_in_the_fork_server() -> None:
     process started by torchrun does. For benchmarks that must time steps as real launches run
     them; tests keep the default (about 0.5 s less per rank start). Call it before the first
     :class:`World` of the process starts: the fork server starts once."""
-    _PRELOAD[:] = ["torch", "torch._dynamo"]
+    _PRELOAD[:] = _TORCH_ONLY
 
 
 def process_context():
