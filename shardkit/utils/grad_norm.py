@@ -166,7 +166,7 @@ def _norm_term(grads: Sequence[torch.Tensor], norm_type: float,
     values = [g.coalesce().values() if g.is_sparse else g.detach() for g in grads]
     values = [v for v in values if v.numel()]
     if not values:
-        return torch.zeros((), device=device)
+        return torch.zeros((), dtype=torch.float32, device=device)  # not the default dtype
     if math.isinf(norm_type):
         return torch.stack([v.abs().max().float() for v in values]).max().to(device)
     return torch.stack([torch.linalg.vector_norm(v.float(), norm_type) ** norm_type

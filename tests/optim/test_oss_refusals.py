@@ -11,7 +11,9 @@ Regressions:
   collective (from backward under ``ShardedDataParallel(step_in_backward=True)``), with no
   parameter changed;
 - ``clip_grad_norm`` scaled the gradients of the parameters each rank owns only: under DDP,
-  ``p.grad`` of the others read unclipped (and differently on each rank).
+  ``p.grad`` of the others read unclipped (and differently on each rank);
+- under a default dtype other than fp32 (``torch.set_default_dtype``), ``clip_grad_norm`` on a
+  rank with no gradient among the parameters it owns aborted a rank in the norm's all-reduce.
 """
 
 import copy
@@ -253,3 +255,49 @@ def test_copying_an_oss_is_refused_naming_what_to_save(world2):
             assert said[name].startswith("ShardedDataParallel cannot be pickled or copied"), said
             assert "copy.deepcopy(model.module)" in said[name], said
         assert said["original steps"] and said["averaged"], said
+
+
+class _SkipsALayer(nn.Module):
+    """Two layers, the second unused by the forward (an auxiliary head, an idle expert): its
+    owner has no gradient to measure."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.skipped = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _clip_under_default_dtype(dtype):
+    """Clip with torch's default dtype set to ``dtype`` (fp64 science code, a model built in
+    bf16), under ShardedDataParallel: the norm, relative to torch's ``clip_grad_norm_`` in one
+    process, and whether some rank owned no gradient."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        model = _SkipsALayer()
+        oracle = copy.deepcopy(model)
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        x = torch.randn(2, 4)
+        ShardedDataParallel(model, opt)(x).sum().backward()
+        oracle(x).sum().backward()
+        owned_none = all(p.grad is None for p in opt.optim.param_groups[0]["params"])
+        norm = opt.clip_grad_norm(1.0)
+        opt.step()
+        expected = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1.0)
+        return abs(float(norm) - float(expected)) / float(expected), owned_none
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_clip_grad_norm_with_another_default_dtype_and_a_rank_without_gradients(world2):
+    """Before: the rank with nothing to measure contributed a 0-dim zero in the default dtype,
+    the others an fp32 term, so the norm's all-reduce mixed sizes: gloo aborted one rank
+    ("EnforceNotMet ... 8 vs 4" under fp64, "4 vs 2" under bf16)."""
+    for dtype, tol in ((torch.float64, 1e-6), (torch.bfloat16, 1e-2)):
+        results = world2.run(_clip_under_default_dtype, dtype)
+        assert any(owned_none for _, owned_none in results), results  # the case is exercised
+        for relative_error, _ in results:
+            assert relative_error <= tol, (dtype, relative_error)
