@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 import zlib
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -170,6 +171,8 @@ class OSS(torch.optim.Optimizer):
         self._optim_is_factory = False
         # the optimizer taken over, when each local optimizer is a copy of it
         self._template: Optional[torch.optim.Optimizer] = None
+        # the optimizer taken over, for the LR schedulers a user built on it (see step)
+        self._taken_over = weakref.ref(existing) if existing is not None else None
         if existing is not None:
             args.check_takeover_arguments(existing, optim, defaults, isinstance(existing, OSS))
             optim, groups = type(existing), args.groups_of(existing)
@@ -349,6 +352,15 @@ class OSS(torch.optim.Optimizer):
             "state_dict(all_ranks=True)), and build a new OSS over the copied model's "
             "parameters to load it into")
 
+    def _mark_taken_over_optimizer_stepped(self) -> None:
+        """Tell torch's LR schedulers built on the optimizer OSS took over that a step came:
+        they wrap that optimizer's ``step``, which OSS never calls, and would warn that
+        ``lr_scheduler.step()`` came before ``optimizer.step()`` (the flag their wrapper sets).
+        Local."""
+        taken_over = self._taken_over() if self._taken_over is not None else None
+        if taken_over is not None:
+            taken_over._opt_called = True
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None, **kwargs):
         """Step the owned parameters that have a gradient, then re-sync every parameter from
@@ -396,6 +408,7 @@ class OSS(torch.optim.Optimizer):
         agreement: one all-gather of two int64s a rank (a control message, not counted by
         ``CommCounter``; see :meth:`_agree_on_param_groups`).
         """
+        self._mark_taken_over_optimizer_stepped()
         found_inf_agreed, self._found_inf_agreed = self._found_inf_agreed, False
         if self._stepped_in_backward is not None:
             return self._finish_step_begun_in_backward(closure, kwargs)

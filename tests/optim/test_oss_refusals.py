@@ -13,7 +13,9 @@ Regressions:
 - ``clip_grad_norm`` scaled the gradients of the parameters each rank owns only: under DDP,
   ``p.grad`` of the others read unclipped (and differently on each rank);
 - under a default dtype other than fp32 (``torch.set_default_dtype``), ``clip_grad_norm`` on a
-  rank with no gradient among the parameters it owns aborted a rank in the norm's all-reduce.
+  rank with no gradient among the parameters it owns aborted a rank in the norm's all-reduce;
+- a torch LR scheduler built on the optimizer that ``OSS(existing)`` took over warned, at the
+  first step, that ``lr_scheduler.step()`` came before ``optimizer.step()``.
 """
 
 import copy
@@ -301,3 +303,40 @@ def test_clip_grad_norm_with_another_default_dtype_and_a_rank_without_gradients(
         assert any(owned_none for _, owned_none in results), results  # the case is exercised
         for relative_error, _ in results:
             assert relative_error <= tol, (dtype, relative_error)
+
+
+def _scheduler_built_before_the_takeover():
+    """``StepLR`` built on a torch optimizer, then ``OSS(that_optimizer)``: the warnings torch's
+    scheduler gives over 3 steps, and OSS's lr after each, against torch's own pair."""
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    oracle = copy.deepcopy(model)
+    base = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    opt = OSS(base)
+    oracle_opt = torch.optim.AdamW(oracle.parameters(), lr=0.1)
+    oracle_schedule = torch.optim.lr_scheduler.StepLR(oracle_opt, step_size=1, gamma=0.5)
+    lrs, want = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for m, o, s in ((model, opt, schedule), (oracle, oracle_opt, oracle_schedule)):
+                m(torch.ones(2, 4)).sum().backward()
+                o.step()
+                o.zero_grad()
+                s.step()
+            lrs.append(opt.param_groups[0]["lr"])
+            want.append(oracle_opt.param_groups[0]["lr"])
+    said = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+    return said, lrs, want
+
+
+def test_a_scheduler_built_before_the_takeover_sees_the_steps(world2):
+    """Before: torch's scheduler, wrapped around the taken-over optimizer's ``step``, never saw
+    a step (OSS steps its own local optimizer) and warned "Detected call of
+    `lr_scheduler.step()` before `optimizer.step()`" at the first step, though the lr was
+    right."""
+    for said, lrs, want in world2.run(_scheduler_built_before_the_takeover):
+        assert said == [], said
+        assert lrs == want == [0.05, 0.025, 0.0125], (lrs, want)
