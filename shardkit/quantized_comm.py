@@ -343,7 +343,8 @@ def issue_reduce_scatter(tensors: Sequence[torch.Tensor], layout: QuantLayout, g
                                                          layout.block, layout.scale_dtype),
                                    sources=len(peers))
         else:
-            total = torch.zeros(one.segment_numel, dtype=torch.float32, device=device)  # as above
+            total = torch.zeros(one.segment_numel, dtype=torch.float32,
+                                device=device)  # fp32, as dequantize_sum gives it
         offset = 0
         for own, c in zip(_chunks_of_rank(tensors, chunks, rank), chunks):
             total[offset:offset + own.numel()].add_(own)
