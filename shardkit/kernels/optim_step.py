@@ -262,7 +262,8 @@ def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
     if t is None:
         if len(_STEP_TENSORS) > 256:
             _STEP_TENSORS.clear()
-        t = _STEP_TENSORS[key] = torch.tensor(float(step), device=device)
+        # fp32 whatever the default dtype, as torch keeps its step counts (bf16 stops at 256)
+        t = _STEP_TENSORS[key] = torch.tensor(float(step), dtype=torch.float32, device=device)
     return t
 
 

@@ -348,7 +348,8 @@ def _dequantize_rows(buffer: torch.Tensor, layout: QuantLayout) -> torch.Tensor:
     """Every segment of ``buffer`` dequantized: fp32 (segments, padded segment numel)."""
     codes = layout.codes(buffer)
     rows = codes.shape[0]
-    values = torch.empty(rows, layout.blocks_per_segment * layout.block, device=buffer.device)
+    values = torch.empty(rows, layout.blocks_per_segment * layout.block, dtype=torch.float32,
+                         device=buffer.device)
     if layout.bits == 8:
         values.copy_(codes.view(torch.int8))
     else:  # interleave the nibbles as int8 codes (1-byte passes), then one conversion

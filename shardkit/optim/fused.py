@@ -146,7 +146,7 @@ class FusedAdamW(torch.optim.Optimizer):
                                          f"{tuple(p.shape)} has moments but no 'step' (nor "
                                          f"has its param group); cannot resume its bias "
                                          f"correction")
-                    p_state["step"] = torch.tensor(float(group["step"]))
+                    p_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (as torch), checking its hyper-parameters."""
