@@ -589,12 +589,14 @@ RECOVERY_SCRIPT = "zero_to_fp32.py"  # written beside ``latest`` by engine saves
 
 def check_tag(tag: str) -> None:
     """Raise :class:`CheckpointError` unless ``tag`` is a plain directory name (not ``latest``
-    nor the recovery script's name, the files beside the tags)."""
+    nor the recovery script's name, the files beside the tags) that ``latest`` can name: no
+    whitespace at either end, which :func:`read_latest_tag` strips as DeepSpeed does."""
     if not isinstance(tag, str) or not tag or tag.startswith(".") or os.sep in tag \
-            or tag in (LATEST, RECOVERY_SCRIPT):
+            or tag in (LATEST, RECOVERY_SCRIPT) or tag != tag.strip():
         raise CheckpointError(f"checkpoint tag={tag!r}: must be a non-empty name without "
-                              f"'{os.sep}', not starting with '.', and neither {LATEST!r} nor "
-                              f"{RECOVERY_SCRIPT!r}")
+                              f"'{os.sep}', not starting with '.', without whitespace at "
+                              f"either end (the '{LATEST}' file is read stripped), and neither "
+                              f"{LATEST!r} nor {RECOVERY_SCRIPT!r}")
 
 
 def read_latest_tag(load_dir: str) -> Optional[str]:

@@ -230,6 +230,9 @@ def _bad_loads(save_dir):
     engine.save_checkpoint(save_dir, tag="lin")
     for name, call in {
         "bad tag": lambda: engine.save_checkpoint(save_dir, tag="../escape"),
+        # 'latest' is read stripped (as DeepSpeed reads it): "lin " would resume from "lin"
+        "spaced tag": lambda: engine.save_checkpoint(save_dir, tag="lin "),
+        "newline tag": lambda: engine.save_checkpoint(save_dir, tag="x\n"),
         "missing tag": lambda: engine.load_checkpoint(save_dir, tag="nope"),
     }.items():
         try:
@@ -242,6 +245,7 @@ def _bad_loads(save_dir):
         other.load_checkpoint(save_dir)
     except Exception as e:  # shape mismatch from load_state_dict
         out["other model"] = f"{type(e).__name__}: {e}"
+    out["latest"], out["listing"] = read_latest_tag(save_dir), sorted(os.listdir(save_dir))
     return out
 
 
@@ -249,6 +253,10 @@ def test_bad_checkpoint_requests_are_clear(world1, tmp_path):
     out = world1.run(_bad_loads, str(tmp_path / "ckpt"))[0]
     assert out["empty"] == (None, None)
     assert "tag='../escape'" in out["bad tag"]
+    # before: saved, and a resume from 'latest' loaded the older "lin" silently
+    assert "tag='lin '" in out["spaced tag"] and "whitespace" in out["spaced tag"], out
+    assert "tag='x\\n'" in out["newline tag"], out
+    assert out["latest"] == "lin" and out["listing"] == ["latest", "lin", "zero_to_fp32.py"]
     assert "nope does not exist" in out["missing tag"] and "['lin']" in out["missing tag"]
     assert "size mismatch" in out["other model"]
 
