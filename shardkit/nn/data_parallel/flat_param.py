@@ -342,14 +342,21 @@ class FlatParamShard:
 
     # ------------------------------------------------------------------ all-gather
 
-    def _readopt_shards(self) -> None:
-        """Keep the invariant 'each parameter views the flat shard' even if a user replaced a
-        parameter's ``.data`` (e.g. ``load_state_dict(assign=True)``): copy it back in."""
-        for p, view, lay, locs in zip(self.params, self.shard_views(self.flat_shard),
-                                      self.layouts, self.locations):
+    def refuse_parameters_no_longer_registered(self) -> None:
+        """A RuntimeError when a module of the unit no longer holds, where the unit found it,
+        the parameter the unit shards (removed, re-registered, or swapped for another tensor
+        by ``torch.func.functional_call``): the unit would compute with its own. Local."""
+        for p, lay, locs in zip(self.params, self.layouts, self.locations):
             for module, name in locs:
                 if module._parameters.get(name) is not p:
                     raise RuntimeError(removed_after_wrapping(module, name, lay))
+
+    def _readopt_shards(self) -> None:
+        """Keep the invariant 'each parameter views the flat shard' even if a user replaced a
+        parameter's ``.data`` (e.g. ``load_state_dict(assign=True)``): copy it back in."""
+        self.refuse_parameters_no_longer_registered()
+        for p, view, lay, locs in zip(self.params, self.shard_views(self.flat_shard),
+                                      self.layouts, self.locations):
             if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
                 if p.data.numel() != view.numel():
                     raise RuntimeError(_resized_after_wrapping(p, lay, locs))
@@ -1290,10 +1297,19 @@ def removed_after_wrapping(module: nn.Module, name: str, layout) -> str:
     (``torch.nn.utils.prune`` on a wrapped module re-registers ``weight`` as ``weight_orig``,
     with a mask of the row shard's shape; ``module.weight = nn.Parameter(...)``)."""
     now = module._parameters.get(name)
+    if now is not None and not isinstance(now, nn.Parameter):
+        return (f"FullyShardedDataParallel: {type(module).__name__}.{name} (shape "
+                f"{tuple(layout.shape)}) holds a tensor swapped in for the parameter FSDP "
+                f"shards, as torch.func.functional_call and torch.nn.utils.stateless swap "
+                f"them: an FSDP unit computes with the parameters it gathers, never with "
+                f"tensors passed that way. Call functional_call on a model that is not wrapped "
+                f"(e.g. a copy loaded with the full state_dict()), or copy the values into "
+                f"the wrapped model with load_state_dict()")
     what = ("removed (torch.nn.utils.prune re-registers it as "
             f"{name}_orig, with a mask of this rank's row shard; torch.nn.utils.parametrize as "
             f"parametrizations.{name}.original; or deleted)" if now is None
-            else "replaced by another parameter")
+            else "replaced by another parameter (torch.func.functional_call swaps in the "
+                 "tensors it is given: FSDP cannot compute with them)")
     return (f"FullyShardedDataParallel: {type(module).__name__}.{name} (shape "
             f"{tuple(layout.shape)}) was {what} after wrapping; FSDP shards the parameter it "
             f"found when the unit was built. Prune, replace or re-register parameters before "

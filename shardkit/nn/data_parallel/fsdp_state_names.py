@@ -48,20 +48,23 @@ class _OriginalNames:
             yield clean_name(name), b
 
     def get_parameter(self, target: str) -> nn.Parameter:
-        return super().get_parameter(self._wrapped_name(target, super().named_parameters))
+        return super().get_parameter(wrapped_name(target, super().named_parameters))
 
     def get_buffer(self, target: str) -> torch.Tensor:
         """Also for a buffer of a unit's own module (``blocks.0.mask``): ``nn.Module``'s
         lookup would stop at the unit, whose ``_buffers`` do not hold it."""
-        return super().get_buffer(self._wrapped_name(target, super().named_buffers))
+        return super().get_buffer(wrapped_name(target, super().named_buffers))
 
-    @staticmethod
-    def _wrapped_name(target: str, named) -> str:
-        """The module path of ``target`` (a name this class gives) with FSDP's levels."""
-        if _WRAPPED_PREFIX in target:
-            return target
-        return next((name for name, _ in named(remove_duplicate=False)
-                     if clean_name(name) == target), target)
+
+def wrapped_name(target: str, named) -> str:
+    """The module path of ``target`` (a name without FSDP's levels, as FSDP's and
+    :func:`show_original_names`' ``named_parameters`` / ``named_buffers`` give it) with those
+    levels, found in ``named`` (``nn.Module``'s own ``named_parameters`` / ``named_buffers``
+    of the model); ``target`` itself when it has them or names nothing. Local."""
+    if _WRAPPED_PREFIX in target:
+        return target
+    return next((name for name, _ in named(remove_duplicate=False)
+                 if clean_name(name) == target), target)
 
 
 _ORIGINAL_NAMES_CLASSES: dict = {}

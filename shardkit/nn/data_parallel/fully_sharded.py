@@ -189,6 +189,7 @@ from shardkit.nn.data_parallel.fsdp_reentrant_checkpoints import \
     _GatheredWhenRecomputed  # noqa: F401 - so that modules pickled before the split still load
 from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_wrapper_prefix,
                                                        clean_name)
+from shardkit.nn.data_parallel.fsdp_state_names import wrapped_name
 from shardkit.nn.data_parallel.fsdp_summon import (FSDPSummonMixin, _check_summoned_alike,
                                                    _refuse_backward_while_summoned)
 from shardkit.nn.data_parallel.fsdp_unit_modules import (_MANAGED_PARAMS, _UNIT_OF,
@@ -645,8 +646,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
         # ``module.weight``, torch.nn.utils.prune's pre-hook registered before wrapping) must see
         # the gathered parameters, as they do under torch's FSDP: the gather runs before every
         # pre-hook, and the free after every forward hook (see _run_post_forward_last).
-        module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True,
-                                         prepend=True)
+        self._pre_forward_handle = module.register_forward_pre_hook(
+            _eager(self._pre_forward), with_kwargs=True, prepend=True)
         self._post_forward_handle = module.register_forward_hook(_eager(self._post_forward))
         for holder in _holders_inside(module, locations):
             holder.register_forward_pre_hook(self._before_a_direct_call, prepend=True)
@@ -791,6 +792,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
             # such breaks): it would run the whole forward eagerly. A compiled forward that
             # raises leaves its units to the next forward to free, as before.
             return self._fsdp_wrapped_module(*args, **kwargs)
+        self._run_pre_forward_first(self._fsdp_wrapped_module)
         try:
             return self._fsdp_wrapped_module(*args, **kwargs)
         except BaseException:
@@ -867,6 +869,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
         sharded, so each is the whole buffer."""
         for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
             yield clean_name(name), b
+
+    def get_buffer(self, target: str) -> torch.Tensor:
+        """The buffer ``target`` names, by the name :meth:`named_buffers` gives (no wrapper
+        levels) or by its module path (``nn.Module``'s lookup alone stops at a unit, whose own
+        ``_buffers`` do not hold its module's buffers)."""
+        return super().get_buffer(wrapped_name(target, super().named_buffers))
 
     def sharded_units(self) -> list["FullyShardedDataParallel"]:
         """This unit and every FSDP unit nested in it, outermost first."""
@@ -1022,6 +1030,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
             _check_summoned_alike(root)
         if self._summoned:  # inside summon_full_params: compute with the summoned fp32 values
             return args, kwargs
+        if self._shard is not None and self._shard.gathered:  # kept: no gather checks them
+            self._shard.refuse_parameters_no_longer_registered()
         root._recover_from_a_failed_backward()
         in_backward = root._final_callback_queued  # a recompute (activation checkpointing)
         if not in_backward:
@@ -1069,6 +1079,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
             if found is not None:
                 raise RuntimeError(_registered_after_wrapping(self, unit, *found))
         self._registrations_checked = _REGISTRATIONS[0]
+
+    def _run_pre_forward_first(self, module: nn.Module) -> None:
+        """Move the unit's pre-forward hook (the gather) before the pre-hooks registered with
+        ``prepend=True`` after it, so that those see the gathered parameters too, as under
+        FairScale's and torch FSDP1's wrappers, which gather before calling the module."""
+        hooks = module._forward_pre_hooks
+        hook_id = self._pre_forward_handle.id
+        if hook_id in hooks and next(iter(hooks)) != hook_id:
+            hooks.move_to_end(hook_id, last=False)
 
     def _run_post_forward_last(self, module: nn.Module) -> None:
         """Move the unit's post-forward hook behind the forward hooks registered after it, so
