@@ -415,7 +415,7 @@ def _is_tag_after(prefix: str, name: str) -> bool:
     if not name.startswith(prefix):
         return False
     try:
-        check_tag(name[len(prefix):])
+        check_tag(name[len(prefix):], saving=False)
     except CheckpointError:
         return False
     return True
@@ -587,15 +587,17 @@ def _collect_digests(staging: str, world_size: int) -> dict:
 RECOVERY_SCRIPT = "zero_to_fp32.py"  # written beside ``latest`` by engine saves (DeepSpeed's)
 
 
-def check_tag(tag: str) -> None:
+def check_tag(tag: str, saving: bool = True) -> None:
     """Raise :class:`CheckpointError` unless ``tag`` is a plain directory name (not ``latest``
-    nor the recovery script's name, the files beside the tags) that ``latest`` can name: no
-    whitespace at either end, which :func:`read_latest_tag` strips as DeepSpeed does."""
+    nor the recovery script's name, the files beside the tags); for a save, one that ``latest``
+    can name too: no whitespace at either end, which :func:`read_latest_tag` strips as
+    DeepSpeed does (``saving=False``: a tag to read, which earlier versions may have saved)."""
     if not isinstance(tag, str) or not tag or tag.startswith(".") or os.sep in tag \
-            or tag in (LATEST, RECOVERY_SCRIPT) or tag != tag.strip():
+            or tag in (LATEST, RECOVERY_SCRIPT) or (saving and tag != tag.strip()):
+        spaces = (f" without whitespace at either end (the '{LATEST}' file is read "
+                  f"stripped)," if saving else "")
         raise CheckpointError(f"checkpoint tag={tag!r}: must be a non-empty name without "
-                              f"'{os.sep}', not starting with '.', without whitespace at "
-                              f"either end (the '{LATEST}' file is read stripped), and neither "
+                              f"'{os.sep}', not starting with '.',{spaces} and neither "
                               f"{LATEST!r} nor {RECOVERY_SCRIPT!r}")
 
 

@@ -123,7 +123,7 @@ def _resolve_tag(checkpoint_dir, tag, caller: str) -> str:
         raise TypeError(f"{caller}(tag={tag!r}): expected a checkpoint tag (a str, e.g. "
                         f"'global_step14'), or None for the one '{LATEST}' names")
     tag = str(tag)  # DeepSpeed's save_checkpoint takes numbers as tags
-    check_tag(tag)
+    check_tag(tag, saving=False)
     tag_dir = os.path.join(checkpoint_dir, tag)
     if tag not in _tags_found(checkpoint_dir) and not os.path.isdir(
             os.path.join(checkpoint_dir, f".old-{tag}")):  # a re-save of tag interrupted

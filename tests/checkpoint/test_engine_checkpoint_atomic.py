@@ -246,6 +246,11 @@ def _bad_loads(save_dir):
     except Exception as e:  # shape mismatch from load_state_dict
         out["other model"] = f"{type(e).__name__}: {e}"
     out["latest"], out["listing"] = read_latest_tag(save_dir), sorted(os.listdir(save_dir))
+    # a tag with a space, as earlier versions saved it, still converts by its name
+    import shutil
+    from shardkit.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    shutil.copytree(os.path.join(save_dir, "lin"), os.path.join(save_dir, "old "))
+    out["old spaced tag"] = sorted(get_fp32_state_dict_from_zero_checkpoint(save_dir, "old "))
     return out
 
 
@@ -257,6 +262,7 @@ def test_bad_checkpoint_requests_are_clear(world1, tmp_path):
     assert "tag='lin '" in out["spaced tag"] and "whitespace" in out["spaced tag"], out
     assert "tag='x\\n'" in out["newline tag"], out
     assert out["latest"] == "lin" and out["listing"] == ["latest", "lin", "zero_to_fp32.py"]
+    assert out["old spaced tag"] == ["bias", "weight"], out
     assert "nope does not exist" in out["missing tag"] and "['lin']" in out["missing tag"]
     assert "size mismatch" in out["other model"]
 

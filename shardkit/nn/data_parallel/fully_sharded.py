@@ -245,6 +245,24 @@ nn.modules.module.register_module_parameter_registration_hook(_count_registratio
 nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 
+def _tensor_set_on_the_unit(wrapped: nn.Module, name: str) -> str:
+    """Why a tensor set as ``unit.<name>`` (a parameter of the wrapped module, which reads show
+    through the unit) is refused."""
+    return (f"FullyShardedDataParallel: setting {name!r} on an FSDP unit to a tensor: it is a "
+            f"parameter of the wrapped {type(wrapped).__name__}, which the unit shards and "
+            f"gathers, so the unit would go on computing with its own. torch.func.functional_call "
+            f"and torch.nn.utils.stateless swap tensors in this way: call them on a model that "
+            f"is not wrapped (e.g. a copy loaded with the full state_dict()); to change the "
+            f"weights, use load_state_dict() or summon_full_params(writeback=True)")
+
+
+@_eager
+def _run_pre_forward_first_eagerly(unit: "FullyShardedDataParallel") -> None:
+    """:meth:`FullyShardedDataParallel._run_pre_forward_first` from a compiled forward (a
+    graph break: Dynamo then traces the wrapped module's call with the hooks in order)."""
+    unit._run_pre_forward_first()
+
+
 class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentrantCheckpointMixin,
                                nn.Module):
     """Shard ``module``'s parameters over ``process_group`` (ZeRO-3); gather them per unit only
@@ -708,6 +726,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
     def flatten_parameters(self, value: bool) -> None:
         self._flatten_parameters_flag = value
 
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            wrapped = self.__dict__.get("_modules", {}).get("_fsdp_wrapped_module")
+            if wrapped is not None and name in wrapped._parameters:
+                raise RuntimeError(_tensor_set_on_the_unit(wrapped, name))
+        super().__setattr__(name, value)
+
     def __getattr__(self, name: str):
         value = attribute_through(self, name, "_fsdp_wrapped_module")
         shard = self.__dict__.get("_shard")
@@ -791,8 +816,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
             # Dynamo cannot resume after a graph break inside a try block (the unit hooks are
             # such breaks): it would run the whole forward eagerly. A compiled forward that
             # raises leaves its units to the next forward to free, as before.
+            _run_pre_forward_first_eagerly(self)  # before the call Dynamo traces
             return self._fsdp_wrapped_module(*args, **kwargs)
-        self._run_pre_forward_first(self._fsdp_wrapped_module)
+        self._run_pre_forward_first()
         try:
             return self._fsdp_wrapped_module(*args, **kwargs)
         except BaseException:
@@ -1080,11 +1106,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
                 raise RuntimeError(_registered_after_wrapping(self, unit, *found))
         self._registrations_checked = _REGISTRATIONS[0]
 
-    def _run_pre_forward_first(self, module: nn.Module) -> None:
-        """Move the unit's pre-forward hook (the gather) before the pre-hooks registered with
-        ``prepend=True`` after it, so that those see the gathered parameters too, as under
-        FairScale's and torch FSDP1's wrappers, which gather before calling the module."""
-        hooks = module._forward_pre_hooks
+    def _run_pre_forward_first(self) -> None:
+        """Move the unit's pre-forward hook (the gather) before the pre-hooks registered on the
+        wrapped module with ``prepend=True`` after it, so that those see the gathered
+        parameters too, as under FairScale's and torch FSDP1's wrappers, which gather before
+        calling the module."""
+        hooks = self._fsdp_wrapped_module._forward_pre_hooks
         hook_id = self._pre_forward_handle.id
         if hook_id in hooks and next(iter(hooks)) != hook_id:
             hooks.move_to_end(hook_id, last=False)
