@@ -1292,6 +1292,15 @@ def _resized_after_wrapping(p: nn.Parameter, layout, locations: list) -> str:
             f"resize_token_embeddings) before wrapping the model in FSDP")
 
 
+# what to do instead of swapping tensors into a wrapped model (removed_after_wrapping and
+# FullyShardedDataParallel.__setattr__ both say it)
+SWAPPED_TENSOR_ADVICE = (
+    "torch.func.functional_call and torch.nn.utils.stateless swap tensors in this way, and an "
+    "FSDP unit computes with the parameters it gathers, never with tensors passed that way: "
+    "call them on a model that is not wrapped (e.g. a copy loaded with the full state_dict()); "
+    "to change the weights, use load_state_dict() or summon_full_params(writeback=True)")
+
+
 def removed_after_wrapping(module: nn.Module, name: str, layout) -> str:
     """What went wrong when a sharded parameter is no longer registered where FSDP found it
     (``torch.nn.utils.prune`` on a wrapped module re-registers ``weight`` as ``weight_orig``,
@@ -1300,11 +1309,7 @@ def removed_after_wrapping(module: nn.Module, name: str, layout) -> str:
     if now is not None and not isinstance(now, nn.Parameter):
         return (f"FullyShardedDataParallel: {type(module).__name__}.{name} (shape "
                 f"{tuple(layout.shape)}) holds a tensor swapped in for the parameter FSDP "
-                f"shards, as torch.func.functional_call and torch.nn.utils.stateless swap "
-                f"them: an FSDP unit computes with the parameters it gathers, never with "
-                f"tensors passed that way. Call functional_call on a model that is not wrapped "
-                f"(e.g. a copy loaded with the full state_dict()), or copy the values into "
-                f"the wrapped model with load_state_dict()")
+                f"shards. {SWAPPED_TENSOR_ADVICE}")
     what = ("removed (torch.nn.utils.prune re-registers it as "
             f"{name}_orig, with a mask of this rank's row shard; torch.nn.utils.parametrize as "
             f"parametrizations.{name}.original; or deleted)" if now is None

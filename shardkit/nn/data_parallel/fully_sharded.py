@@ -153,8 +153,9 @@ import torch.nn as nn
 
 from shardkit import distributed as skdist
 from shardkit.nn.checkpoint.checkpoint_activations import is_recomputing
-from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
-                                                  check_one_dtype, gathered_param_bytes,
+from shardkit.nn.data_parallel.flat_param import (SWAPPED_TENSOR_ADVICE, FlatParamShard,
+                                                  GatheredParamBytes, check_one_dtype,
+                                                  gathered_param_bytes,
                                                   refuse_gradients_of_gradients)
 from shardkit.nn.data_parallel.fsdp_after_wrap_checks import (
     _TO_EMPTY_AFTER_WRAPPING, _parameter_registered_after_wrapping, _refuse_changing_shards,
@@ -250,10 +251,7 @@ def _tensor_set_on_the_unit(wrapped: nn.Module, name: str) -> str:
     through the unit) is refused."""
     return (f"FullyShardedDataParallel: setting {name!r} on an FSDP unit to a tensor: it is a "
             f"parameter of the wrapped {type(wrapped).__name__}, which the unit shards and "
-            f"gathers, so the unit would go on computing with its own. torch.func.functional_call "
-            f"and torch.nn.utils.stateless swap tensors in this way: call them on a model that "
-            f"is not wrapped (e.g. a copy loaded with the full state_dict()); to change the "
-            f"weights, use load_state_dict() or summon_full_params(writeback=True)")
+            f"gathers, so the unit would go on computing with its own. {SWAPPED_TENSOR_ADVICE}")
 
 
 @_eager
