@@ -897,7 +897,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
     def get_buffer(self, target: str) -> torch.Tensor:
         """The buffer ``target`` names, by the name :meth:`named_buffers` gives (no wrapper
         levels) or by its module path (``nn.Module``'s lookup alone stops at a unit, whose own
-        ``_buffers`` do not hold its module's buffers)."""
+        ``_buffers`` do not hold its module's buffers). Local: one walk over the buffers'
+        names, no communication, no copy."""
         return super().get_buffer(wrapped_name(target, super().named_buffers))
 
     def sharded_units(self) -> list["FullyShardedDataParallel"]:
