@@ -211,12 +211,15 @@ class SimulatedCluster:
         self._made: list[str] = []
 
     def namespace(self, node: int) -> str:
+        """The name of ``node``'s network namespace (unique to this process)."""
         return f"{name_prefix(self.pid)}n{node}"
 
     def address(self, node: int) -> str:
+        """``node``'s IPv4 address on the simulated network (``10.213.0.<node + 1>``)."""
         return f"{_SUBNET}.{node + 1}"
 
     def interface(self, node: int) -> str:
+        """``node``'s network interface inside its namespace, also its host name (``node<i>``)."""
         return f"node{node}"
 
     # -- life cycle

@@ -38,13 +38,17 @@ class ThroughputTimer:
         self._started: Optional[float] = None
 
     def update_epoch_count(self) -> None:
+        """Count one more epoch in ``epoch_count``."""
         self.epoch_count += 1
 
     def start(self) -> None:
+        """Start timing the current optimizer step, unless already started."""
         if self._started is None:
             self._started = time.perf_counter()
 
     def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """With ``global_step``, end the step started by :meth:`start` and count its time and
+        ``batch_size`` samples; otherwise (or when not started) do nothing."""
         if self._started is None or not global_step:
             return
         self.total_elapsed_time += time.perf_counter() - self._started

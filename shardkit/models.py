@@ -118,6 +118,8 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``forward(idx)``'s logits against ``target`` token ids
+        (``[batch, seq]``), over all positions."""
         logits = self(idx)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 

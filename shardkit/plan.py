@@ -245,6 +245,7 @@ class LinkTraffic:
 
     @property
     def total(self) -> float:
+        """Bytes on both kinds of link together."""
         return self.intra_node + self.inter_node
 
 
@@ -327,6 +328,7 @@ class StageMemory:
 
     @property
     def total(self) -> float:
+        """Per-rank bytes in all: model states, transient buffer and activations."""
         return self.model_states + self.transient + self.activations
 
 

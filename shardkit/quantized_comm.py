@@ -54,6 +54,8 @@ class PendingQuantized:
         self._finish = finish
 
     def wait(self) -> Optional[torch.Tensor]:
+        """Block until the transfer completes, then dequantize into the output: the result
+        (see the class). No communication of its own."""
         for work in self._works:
             if work is not None:
                 work.wait()

@@ -245,6 +245,8 @@ class QuantizedTransport(Transport):
         return result
 
     def describe(self, group=None) -> str:
+        """What is quantized (bits; qgZ flat or hierarchical ``n x k``) and the block, over the
+        inner transport's description. Local."""
         parts = []
         if self.weights:
             parts.append(f"qwZ int{self.weight_bits}")
@@ -261,12 +263,15 @@ class QuantizedTransport(Transport):
                f"{self.inner.describe(group)}"
 
     def footprint_tensors(self):
+        """The inner transport's (this one holds no buffers between operations)."""
         return self.inner.footprint_tensors()
 
     def lossless(self) -> Transport:
+        """The inner transport's lossless one (no quantization)."""
         return self.inner.lossless()
 
     def close(self) -> None:
+        """Close the inner transport (the node groups stay, as process groups do)."""
         self.inner.close()
 
     # ------------------------------------------------------------------ qwZ
@@ -394,15 +399,20 @@ class QuantizedTransport(Transport):
     # ------------------------------------------------------------------ delegated, exact
 
     def reduce_to_owners(self, segments, group) -> CommHandle:
+        """Exact (delegated): gradients reduced to their OSS owners (ShardedDataParallel,
+        ``reduce_to_owners_hook``)."""
         return self.inner.reduce_to_owners(segments, group)
 
     def broadcast(self, tensor, src, group) -> CommHandle:
+        """Exact (delegated)."""
         return self.inner.broadcast(tensor, src, group)
 
     def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM) -> CommHandle:
+        """Exact (delegated): e.g. FSDP's all-reduce of the reduced shards over replicas."""
         return self.inner.all_reduce(tensor, group, op)
 
     def all_to_all(self, output, input, group) -> CommHandle:
+        """Exact (delegated)."""
         return self.inner.all_to_all(output, input, group)
 
 

@@ -174,6 +174,8 @@ class SharedMemoryTransport(Transport):
         return entry[1]
 
     def describe(self, group=None) -> str:
+        """``"shared memory"``, or the process group's backend where ``group`` fell back to
+        it. Local."""
         resolved = skdist.resolved_group(group)
         entry = self._rings.get(id(resolved))
         if entry is not None and entry[1] is None:
@@ -181,6 +183,7 @@ class SharedMemoryTransport(Transport):
         return "shared memory"
 
     def footprint_tensors(self) -> list[torch.Tensor]:
+        """The mapped memory of each prepared group's ring (its slots and control). Local."""
         return [ring.memory for _g, ring in self._rings.values() if ring is not None]
 
     def close(self) -> None:
@@ -192,6 +195,8 @@ class SharedMemoryTransport(Transport):
     # ------------------------------------------------------------------ operations
 
     def all_gather(self, output, input, group):
+        """Round by round, each rank writes the next part of its ``input`` once and copies the
+        peers' parts into ``output`` (a non-contiguous ``output`` through a contiguous copy)."""
         ring = self._ring(group)
         if ring is None:
             return self._fallback.all_gather(output, input, group)
@@ -254,6 +259,8 @@ class SharedMemoryTransport(Transport):
                            detail=_layout_code(sizes))
 
     def reduce_scatter(self, input, group):
+        """Round by round, each rank writes the next piece of every rank's part of ``input``
+        and sums every rank's piece of its own part straight into the result (no scratch)."""
         ring = self._ring(group)
         if ring is None:
             return self._fallback.reduce_scatter(input, group)
@@ -274,6 +281,10 @@ class SharedMemoryTransport(Transport):
                                detail=_layout_code(layout))
 
     def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):
+        """``SUM`` and ``MAX`` only. Round by round, each rank writes the next part of
+        ``tensor`` and reduces every rank's copy of it in place (a part-sized temporary; a
+        non-contiguous ``tensor`` through a contiguous copy): it reads ``(N-1)`` copies of the
+        tensor, more than the count records from world 3 on (see the module docstring)."""
         ring = self._ring(group)
         if ring is None:
             return self._fallback.all_reduce(tensor, group, op)
@@ -305,6 +316,8 @@ class SharedMemoryTransport(Transport):
                            detail=_REDUCE_OPS.index(_reduce_op_name(op)) + 1)
 
     def broadcast(self, tensor, src, group):
+        """The source writes each part of ``tensor`` once; every other rank copies it in place
+        (a non-contiguous ``tensor`` through a contiguous copy)."""
         ring = self._ring(group)
         if ring is None:
             return self._fallback.broadcast(tensor, src, group)
@@ -360,6 +373,9 @@ class SharedMemoryTransport(Transport):
                            read, result=lambda: out, detail=_layout_code(sizes))
 
     def all_to_all(self, output, input, group):
+        """Round by round, each rank writes the next piece of all ``N`` chunks of ``input``
+        and copies the peers' pieces meant for it into ``output`` (a non-contiguous ``output``
+        through a contiguous copy)."""
         ring = self._ring(group)
         if ring is None:
             return self._fallback.all_to_all(output, input, group)

@@ -83,6 +83,7 @@ class CountedControlGathers:
 
     @property
     def count(self) -> int:
+        """How many control all-gathers were counted so far."""
         return len(self.names)
 
     def __exit__(self, *_):

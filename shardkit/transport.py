@@ -403,10 +403,14 @@ class ProcessGroupTransport(Transport):
             _open_lanes(group)
 
     def describe(self, group=None) -> str:
+        """``"process group (<backend>)"``, the backend of ``group``. Local."""
         return f"process group ({skdist.backend_of(group)})"
 
     @_reports_broken_links
     def all_gather(self, output, input, group):
+        """NCCL: the native collective. gloo: this rank's ``input`` sent straight into every
+        peer's ``output``, theirs received in place (no temporary). A non-contiguous ``output``
+        goes through a contiguous copy (one temporary), waited for at once."""
         n, rank = skdist.get_world_size(group), skdist.get_rank(group)
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
@@ -425,6 +429,8 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def all_gather_chunks(self, fulls, chunks, group):
+        """gloo: each rank's chunks sent straight into the peers' ``fulls`` (no scratch, no
+        unpacking copy, no padding sent). NCCL: the default (a scratch of ``N x`` the chunks)."""
         if not _uses_point_to_point(group, chunks[0].device if chunks else None):
             return super().all_gather_chunks(fulls, chunks, group)
         # Note: on gloo each rank sends the valid part of its chunk of every tensor straight
@@ -450,6 +456,8 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def all_gather_segments(self, output, sizes, group):
+        """gloo with unequal sizes: one batch of sends and receives in place, exactly the
+        unpadded bytes. Otherwise the default."""
         if not _uses_point_to_point(group, output.device) or len(set(sizes)) == 1:
             return super().all_gather_segments(output, sizes, group)
         # Note: on gloo each rank sends its segment straight into every peer's output and
@@ -463,6 +471,9 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def reduce_scatter(self, input, group):
+        """NCCL: the native collective. gloo: part ``r`` sent straight to rank ``r``, which
+        sums its own part and what it receives, in rank order (scratch: ``N-1`` parts, until it
+        completes). A non-contiguous ``input`` is copied first."""
         return self._reduce_scatter(input, group)
 
     def _reduce_scatter(self, input, group, layout: Optional[tuple] = None) -> CommHandle:
@@ -502,6 +513,9 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
+        """gloo, tensors all in a ``dtype`` of 4 bytes or more: chunks sent straight from the
+        tensors (no packed copy), received into one ``sum(chunk_numels)`` buffer per peer.
+        Otherwise the default's packed copy, then :meth:`reduce_scatter`."""
         dtype = dtype or (tensors[0].dtype if tensors else None)
         if not tensors or not _uses_point_to_point(group, tensors[0].device):
             return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
@@ -557,6 +571,10 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def reduce_to_owners(self, segments, group):
+        """NCCL: the default when padding costs at most 10%, else one ``reduce`` per
+        non-empty segment. gloo: segment ``r`` sent straight to rank ``r`` (``(N-1)/N`` of
+        the bucket per rank), received into ``N-1`` buffers of that segment's size. Except
+        through the default, the sum is made in place in this rank's own segment."""
         # Note: on NCCL a balanced bucket is one reduce-scatter (padding it costs at most 10%).
         # On gloo each rank sends segment r straight to its owner r, which sums what it
         # receives: exactly (N-1)/N of the bucket per rank. gloo's own reduce moved about twice
@@ -594,6 +612,8 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def broadcast(self, tensor, src, group):
+        """The native collective. A non-contiguous ``tensor`` goes through a contiguous copy
+        (one temporary), waited for at once."""
         if not tensor.is_contiguous():
             return _through_contiguous_copy(
                 lambda copy: self.broadcast(copy, src, group), tensor)
@@ -602,6 +622,8 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):
+        """The native collective. A non-contiguous ``tensor`` goes through a contiguous copy
+        (one temporary), waited for at once."""
         if not tensor.is_contiguous():
             return _through_contiguous_copy(
                 lambda copy: self.all_reduce(copy, group, op), tensor)
@@ -610,6 +632,8 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def all_to_all(self, output, input, group):
+        """The native ``all_to_all_single``; the ranks' sizes are not checked against each
+        other."""
         # the wrappers' sizes come from one partition on every rank: no argument agreement
         work = skdist.all_to_all_single(output, input, group=group, async_op=True,
                                         check_ranks=False)

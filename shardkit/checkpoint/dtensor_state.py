@@ -44,6 +44,7 @@ _MESHES: dict = {}
 
 
 def is_dtensor(value) -> bool:
+    """Whether ``value`` is a ``DTensor``. Local."""
     from torch.distributed.tensor import DTensor
     return isinstance(value, DTensor)
 

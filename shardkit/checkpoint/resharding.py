@@ -31,26 +31,32 @@ class ParamLayout:
 
     @property
     def numel(self) -> int:
+        """Elements of the full parameter."""
         return math.prod(self.shape)
 
     @property
     def rows(self) -> int:
+        """Rows of the full parameter (dim 0; 1 for a 0-d parameter)."""
         return self.shape[0] if len(self.shape) else 1
 
     @property
     def row_numel(self) -> int:
+        """Elements in one row (the product of the dims after dim 0)."""
         return math.prod(self.shape[1:]) if len(self.shape) else 1
 
     @property
     def rows_per_shard(self) -> int:
+        """Rows in each rank's block, padding included: ``ceil(rows / world_size)``."""
         return -(-self.rows // self.world_size)
 
     @property
     def chunk_numel(self) -> int:
+        """Elements in each rank's block, padding included."""
         return self.rows_per_shard * self.row_numel
 
     @property
     def shard_shape(self) -> tuple:
+        """Shape of each rank's block: ``(rows_per_shard, *shape[1:])``."""
         return (self.rows_per_shard, *self.shape[1:])
 
     def real_rows(self, rank: int) -> tuple[int, int]:

@@ -660,6 +660,9 @@ def _tags(load_dir: str) -> list:
 
 
 def read_metadata(path: str) -> dict:
+    """The ``metadata.json`` of checkpoint directory ``path``, checked (format and the fields
+    the readers use); a :class:`CheckpointError` naming the file when it is unreadable or
+    damaged. Reads that one file; no communication."""
     file = os.path.join(path, METADATA)
     try:
         with open(file) as f:

@@ -102,6 +102,7 @@ class QuantLayout:
 
     @property
     def blocks_per_segment(self) -> int:
+        """Scale blocks per segment: ``ceil(segment_numel / block)``."""
         return -(-self.segment_numel // self.block)
 
     @property
@@ -116,6 +117,7 @@ class QuantLayout:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the whole quantized buffer: ``world_size`` segments."""
         return self.world_size * self.segment_bytes
 
     def codes(self, buffer: torch.Tensor) -> torch.Tensor:

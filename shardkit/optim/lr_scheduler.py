@@ -178,6 +178,7 @@ class WarmupLR(_DeepSpeedSchedule):
         return 1.0
 
     def lrs_at(self, iteration: int) -> list[float]:
+        """Each param group's lr at ``iteration`` (``warmup_min_lr`` before the first)."""
         if iteration < 0:
             return list(self.min_lrs)
         gamma = self._gamma(iteration)
@@ -270,6 +271,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def lrs_at(self, iteration: int) -> list[float]:
+        """Each param group's lr at ``iteration``: its initial lr times :meth:`ratio_at`."""
         ratio = self.ratio_at(iteration)
         return [lr * ratio for lr in self.org_lrs]
 
@@ -386,6 +388,7 @@ class OneCycle(_IterationSchedule):
         return (iteration - self.total_size + 1) / self.decay_step_size
 
     def lrs_at(self, iteration: int) -> list[float]:
+        """Each param group's lr at ``iteration`` (``cycle_min_lr`` before the first)."""
         if iteration < 0:
             return list(self.min_lrs)
         if iteration < self.total_size:
@@ -471,6 +474,7 @@ class LRRangeTest(_IterationSchedule):
         super().step(batch_iteration)
 
     def lrs_at(self, iteration: int) -> list[float]:
+        """Each param group's lr at ``iteration``."""
         intervals = (iteration + 1) / self.step_size
         if self.staircase:
             intervals = math.floor(intervals)

@@ -129,6 +129,7 @@ class FlatParamBucket:
 
     @property
     def padding_numel(self) -> int:
+        """Elements of the buffer that hold no parameter (segments padded to equal size)."""
         return self.buffer.numel() - sum(p.numel() for p, _ in self._slots)
 
     def bind(self) -> None:

@@ -32,6 +32,7 @@ class AllocatorSettings(dict):
 
     @property
     def failed(self) -> list[str]:
+        """The names of the settings glibc refused."""
         return [name for name, ok in self.items() if not ok]
 
 

@@ -47,6 +47,7 @@ class ModelStateBytes:
         return getattr(self, key)
 
     def as_dict(self) -> dict:
+        """Every field and ``total``, by name."""
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "transport": self.transport,
                 "total": self.total}
@@ -262,6 +263,8 @@ class LiveStorageTracker:
         return now
 
     def reset_peak(self) -> None:
+        """Start a new peak from the bytes alive now (:meth:`live_bytes`, one pass over the
+        tracked storages), under the current ``phase``."""
         self.peak_bytes, self.peak_phase = self.live_bytes(), self.phase
 
     # ------------------------------------------------------------------ mode

@@ -104,28 +104,35 @@ class ParamLocation:
 
     @property
     def shard(self):
+        """The FSDP unit's flat shard (stage 3)."""
         return self.unit._shard
 
     @property
     def layout(self):
+        """The parameter's :class:`~shardkit.checkpoint.resharding.ParamLayout` in its shard
+        (stage 3)."""
         return self.shard.layouts[self.index]
 
     @property
     def oss(self):
+        """``optimizer`` when it is an :class:`~shardkit.optim.OSS`, else ``None``."""
         from shardkit.optim import OSS
         return self.optimizer if isinstance(self.optimizer, OSS) else None
 
     @property
     def owner_global_rank(self) -> int:
+        """The global rank whose ``oss`` partition owns (steps) the parameter (needs ``oss``)."""
         oss = self.oss
         return distributed.get_global_rank(oss.group, oss.partition.owner(self.param))
 
     @property
     def is_owner(self) -> bool:
+        """Whether this rank owns the parameter in ``oss`` (needs ``oss``)."""
         return self.owner_global_rank == distributed.get_rank()
 
     @property
     def trainable(self) -> bool:
+        """Whether ``optimizer`` steps the parameter (``False`` without one)."""
         if self.optimizer is None:
             return False
         if self.oss is not None:

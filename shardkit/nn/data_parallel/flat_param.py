@@ -69,13 +69,16 @@ class GatheredParamBytes:
         self.prefetched = 0
 
     def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more as gathered, raising ``peak`` if ``live`` passes it."""
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
     def sub(self, nbytes: int) -> None:
+        """Count ``nbytes`` as released."""
         self.live -= nbytes
 
     def reset_peak(self) -> None:
+        """Start a new high-water mark from what is gathered now."""
         self.peak = self.live
 
 
@@ -327,6 +330,8 @@ class FlatParamShard:
 
     @property
     def full_bytes(self) -> int:
+        """Bytes of the gathered parameters (``full``): every parameter's unpadded elements in
+        the compute dtype."""
         return sum(self.numels) * self.full.element_size()
 
     @property
@@ -506,6 +511,8 @@ class FlatParamShard:
     # ------------------------------------------------------------------ reduce-scatter
 
     def has_full_grad(self) -> bool:
+        """Whether the unit holds full-size gradients not yet reduce-scattered (from backward,
+        accumulated inside ``no_sync``). Local."""
         return self._grad_pieces is not None
 
     def receive_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:

@@ -318,9 +318,11 @@ class IgnoredStates:
         return bool(self.modules or self.params)
 
     def has_module(self, module) -> bool:
+        """Whether ``module`` itself (by identity) is ignored. Local."""
         return id(module) in self._module_ids
 
     def has_param(self, param) -> bool:
+        """Whether ``param`` itself (by identity) is ignored. Local."""
         return id(param) in self._param_ids
 
     @classmethod

@@ -54,10 +54,12 @@ class BucketLayout:
 
     @property
     def world_size(self) -> int:
+        """Number of segments: the group's ranks (one per owner)."""
         return len(self.by_owner)
 
     @property
     def segment_numels(self) -> tuple:
+        """Elements of each owner's segment: its gradients plus one flag per owned parameter."""
         return tuple(sum(self.params[i].numel() for i in idx) + len(idx) for idx in self.by_owner)
 
     @property

@@ -594,6 +594,8 @@ class CheckpointFunction:
 
     @staticmethod
     def apply(function, *args):
+        """``checkpoint(function, *args)`` (see :func:`checkpoint` for memory and
+        communication)."""
         if not callable(function):
             raise TypeError(f"CheckpointFunction.apply(function={function!r}): expected the "
                             f"callable to checkpoint first, then its arguments")

@@ -110,12 +110,16 @@ class VocabUtility:
     @staticmethod
     def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
                                                   world_size: int) -> tuple[int, int]:
+        """``rank``'s range when each rank holds ``per_partition_vocab_size`` words
+        (``world_size`` is unused, kept for FairScale's signature). Local."""
         first = rank * per_partition_vocab_size
         return first, first + per_partition_vocab_size
 
     @staticmethod
     def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
                                            world_size: int) -> tuple[int, int]:
+        """``rank``'s range of a ``global_vocab_size`` vocabulary split over ``world_size``
+        ranks; ``ValueError`` when it does not divide. Local."""
         per_partition = divide(global_vocab_size, world_size,
                                "VocabUtility: global_vocab_size")
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank,

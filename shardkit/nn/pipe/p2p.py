@@ -65,6 +65,7 @@ class TensorMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorMeta":
+        """``t``'s description."""
         return TensorMeta(t.dtype, tuple(t.shape), t.requires_grad)
 
 
@@ -88,6 +89,7 @@ class ActivationMeta:
 
     @staticmethod
     def decode(values: list) -> "ActivationMeta":
+        """The description a header holds (:meth:`encode`'s values, as a list of ints)."""
         packed, void, count, pos, tensors = values[0] == 1, values[0] == 2, values[1], 3, []
         for _ in range(count):
             dtype, requires_grad = _DTYPES[values[pos]], bool(values[pos + 1])
@@ -123,11 +125,13 @@ class StepState:
     BITS = 3
 
     def values(self) -> list:
+        """The state as ``BITS`` zeros and ones (least significant first)."""
         value = 2 * self.batch + int(self.grad)
         return [(value >> i) & 1 for i in range(self.BITS)]
 
     @staticmethod
     def from_bits(bits: torch.Tensor) -> "StepState":
+        """The state :meth:`values` gave, read from a tensor of those bits (one host read)."""
         value = sum(1 << i for i, b in enumerate(bits.tolist()) if b)
         return StepState(value // 2, bool(value % 2))
 
@@ -146,6 +150,8 @@ class PendingSends:
         self.items: list = []
 
     def add(self, works: list, tensors: list) -> None:
+        """Keep each of ``tensors`` alive until its send in ``works`` completes (the sends
+        already completed are forgotten)."""
         # drop finished sends first, so a long step does not keep every buffer it ever sent
         self.items = [(w, t) for w, t in self.items if not w.is_completed()]
         self.items.extend(zip(works, tensors))
@@ -386,6 +392,8 @@ class TaggedLinks:
                 f"the grad mode are unchanged), found {describe(meta)}; {why}")
 
     def post_activation(self, boundary, index, peer) -> None:
+        """Post the receive of micro-batch ``index``'s output over ``boundary`` early, if its
+        shapes are cached (else :meth:`take_activation` receives the header first)."""
         meta = self.metas.get((boundary, index))
         if meta is not None:
             self._post_activation(boundary, index, meta, peer)
@@ -400,6 +408,8 @@ class TaggedLinks:
         self.posted[key] = (buffers, works, tail if carries else None)
 
     def take_activation(self, boundary, index, peer) -> tuple:
+        """The output :meth:`send_activation` sent, as ``(tensors, packed)`` (its header
+        received first when new); blocks until it has arrived."""
         if (boundary, index) not in self.metas:
             length = torch.empty(1, dtype=torch.int64, device=self.device)
             with self._reporting("receive", HEADER, boundary, index, peer):

@@ -85,13 +85,16 @@ class PipelinePlan:
 
     @property
     def num_stages(self) -> int:
+        """Number of stages (the length of ``placement``)."""
         return len(self.placement)
 
     @property
     def num_ranks(self) -> int:
+        """Number of ranks (one action list each)."""
         return len(self.orders)
 
     def stages_of(self, rank: int) -> list:
+        """The stages placed on ``rank``, in ascending order."""
         return [s for s, r in enumerate(self.placement) if r == rank]
 
     def split_backward(self) -> bool:

@@ -54,6 +54,7 @@ class ActivationMemoryMeter:
         self._excluded: set = set()
 
     def reset_peak(self) -> None:
+        """Start a new peak from the bytes saved now."""
         self.peak_bytes = self.current_bytes
 
     @contextlib.contextmanager

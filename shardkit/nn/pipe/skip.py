@@ -109,9 +109,11 @@ class SkipTracker:
         self.tensors: dict = {}
 
     def save(self, key, tensor: Optional[torch.Tensor]) -> None:
+        """Keep ``tensor`` (a reference, no copy) under ``key`` until it is popped."""
         self.tensors[key] = tensor
 
     def load(self, key) -> Optional[torch.Tensor]:
+        """Remove and return the tensor saved under ``key``; a RuntimeError when none was."""
         if key not in self.tensors:
             raise RuntimeError(f"skip connection {key[1]!r} ({key[0]}) is popped before it was "
                                f"stashed; stash it in an earlier layer of the same Sequential")

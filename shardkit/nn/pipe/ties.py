@@ -50,6 +50,7 @@ class Tie:
 
     @property
     def is_earlier(self) -> bool:
+        """Whether this stage comes before the other one in the pipeline."""
         return self.stage < self.other_stage
 
 
