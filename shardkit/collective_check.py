@@ -4,11 +4,11 @@ Ranks that disagree about which collective comes next (a data-dependent branch, 
 a different number of times on one rank, a rank that skips a step) hang, or worse, exchange the
 wrong tensors without an error. With the debug mode on, every collective that goes through
 :mod:`shardkit.distributed` is preceded by a check: the ranks of its group exchange a fingerprint
-of the call (op, per-group sequence number, shape, dtype, the layout a transport declares with
-:func:`checking_layout`, a digest of the group's ranks, and the call site, which is reported
-but not compared, shortened to fit the fixed-size fingerprint) and, if any two differ, every
-rank raises :class:`CollectiveMismatchError` naming each rank's op and call site, before the
-real collective runs. Turn it on with
+of the call (op, its reduction or root, per-group sequence number, shape, dtype, the layout a
+transport declares with :func:`checking_layout`, a digest of the group's ranks, and the call
+site, which is reported but not compared, shortened to fit the fixed-size fingerprint) and, if
+any two differ, every rank raises :class:`CollectiveMismatchError` naming each rank's op and
+call site, before the real collective runs. Turn it on with
 ``SHARDKIT_DEBUG_COLLECTIVES=1`` in the environment or :func:`set_debug_collectives`
 (``shardkit.distributed.set_debug_collectives`` is the same function).
 
@@ -142,10 +142,11 @@ def _device_for(group) -> torch.device:
 
 
 def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtype],
-                     group) -> None:
+                     group, detail: Optional[str] = None) -> None:
     """Compare this collective's fingerprint with every rank of ``group``; raise
-    :class:`CollectiveMismatchError` on every rank if they differ. No-op when the mode is off,
-    for unchecked ops, and for the check's own all-gather."""
+    :class:`CollectiveMismatchError` on every rank if they differ. ``detail``: what else the
+    ranks must agree on, as text (the reduction, ``"op=SUM"``; the root, ``"src=0"``). No-op
+    when the mode is off, for unchecked ops, and for the check's own all-gather."""
     if not _enabled or op not in CHECKED_OPS or getattr(_state, "busy", False):
         return
     if not (dist.is_available() and dist.is_initialized()):
@@ -164,7 +165,8 @@ def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtyp
         (getattr(group, "group_name", None) or f"ranks {ranks}")
     seq = _sequence.get(key, 0)
     _sequence[key] = seq + 1
-    mine = {"op": op, "seq": seq, "shape": None if shape is None else list(shape),
+    mine = {"op": op, "detail": detail, "seq": seq,
+            "shape": None if shape is None else list(shape),
             "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
             "layout": getattr(_state, "layout", None),
             "ranks": _ranks_digest(ranks), "rank": dist.get_rank(), "site": _call_site()}
@@ -173,15 +175,18 @@ def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtyp
         everyone = _exchange(mine, group, len(ranks))
     finally:
         _state.busy = False
-    compared = ("op", "seq", "shape", "dtype", "layout", "ranks")
+    compared = ("op", "detail", "seq", "shape", "dtype", "layout", "ranks")
     if all(all(fp.get(k) == everyone[0].get(k) for k in compared) for fp in everyone):
         return
-    lines = [f"  rank {fp['rank']}: {fp['op']}(shape={fp['shape']}, dtype={fp['dtype']}"
+    lines = [f"  rank {fp['rank']}: {fp['op']}("
+             + ("" if fp.get("detail") is None else f"{fp['detail']}, ")
+             + f"shape={fp['shape']}, dtype={fp['dtype']}"
              + ("" if fp.get("layout") is None else f", layout={fp['layout']}")
              + f") #{fp['seq']} at {fp['site']}" for fp in everyone]
     raise CollectiveMismatchError(
         f"collective mismatch in the group of ranks {list(ranks)}: the ranks were about to issue "
-        f"different collectives (compared: op, sequence number, shape, dtype, layout):\n"
+        f"different collectives (compared: op, its reduction or root, sequence number, shape, "
+        f"dtype, layout):\n"
         + "\n".join(lines))
 
 

@@ -254,12 +254,13 @@ def _tracked(work, group):
 
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
             kind: Optional[str] = None, counted: bool = True, checked: bool = True,
-            checked_shape: Optional[tuple] = None) -> None:
+            checked_shape: Optional[tuple] = None, detail: Optional[str] = None) -> None:
     """Every collective wrapper calls this just before issuing its op: the collective debug
     mode (:mod:`shardkit.collective_check`, off by default) checks that every rank is about to
     issue the same op (with ``full``'s shape and dtype; for a byte count, ``checked_shape``
-    and ``dtype`` when given), then each active :class:`CommCounter` records it. A rank
-    outside ``group`` records nothing: torch skips the op there, so nothing is sent."""
+    and ``dtype`` when given; and ``detail``, the op's reduction or root, e.g. ``"op=SUM"``,
+    ``"src=0"``), then each active :class:`CommCounter` records it. A rank outside ``group``
+    records nothing: torch skips the op there, so nothing is sent."""
     if _not_a_member(group):
         return
     # checked=False marks the second record of an op already recorded (its count after it ran)
@@ -271,7 +272,7 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
         else:
             shape = None if checked_shape is None else tuple(checked_shape)
             checked_dtype = None if checked_shape is None else dtype
-        collective_check.check_collective(op, shape, checked_dtype, group)
+        collective_check.check_collective(op, shape, checked_dtype, group, detail=detail)
     if not (counted and comm_counter.counting()):
         return
     n = get_world_size(group)
@@ -305,10 +306,17 @@ def _issued(name: str, group, collective, *args, **kwargs):
         _raise_as_broken_link(name, group, error)
 
 
+def _reduction(op) -> str:
+    """``op`` (a ``ReduceOp``) as the debug mode's detail, alike on every rank: ``"op=SUM"``."""
+    name = next((kind.name for kind in ReduceOp.RedOpType.__members__.values() if op == kind),
+                "?")
+    return f"op={name}"
+
+
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """In-place all-reduce of ``tensor``. Wire: ``2(n-1)/n`` of its bytes."""
     _check_call("all_reduce", group, tensor, reduce_op=op)
-    _record("all_reduce", tensor, group)
+    _record("all_reduce", tensor, group, detail=_reduction(op))
     return _issued("all_reduce", group, dist.all_reduce, tensor, op=op, async_op=async_op)
 
 
@@ -344,7 +352,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     if input.numel() != output.numel() * n and not _not_a_member(group):
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; it must be "
                          f"world size {n} x output's {output.numel()} = {output.numel() * n}")
-    _record("reduce_scatter", input, group)
+    _record("reduce_scatter", input, group, detail=_reduction(op))
     output, input = _flat_when_contiguous(output, input, gathering=False)
     return _issued("reduce_scatter_tensor", group, _reduce_scatter_tensor, output, input, op=op,
                    async_op=async_op)
@@ -532,14 +540,14 @@ def _agree_on_equal_chunks(problem: Optional[Exception], input: torch.Tensor, gr
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
     """Broadcast ``tensor`` from global rank ``src``. Wire: ``(n-1)/n`` of its bytes."""
     _check_call("broadcast", group, tensor, src=src)
-    _record("broadcast", tensor, group)
+    _record("broadcast", tensor, group, detail=f"src={src}")
     return _issued("broadcast", group, dist.broadcast, tensor, src=src, async_op=async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """Reduce ``tensor`` onto global rank ``dst``. Wire: ``(n-1)/n`` of its bytes."""
     _check_call("reduce", group, tensor, reduce_op=op, dst=dst)
-    _record("reduce", tensor, group)
+    _record("reduce", tensor, group, detail=f"{_reduction(op)}, dst={dst}")
     return _issued("reduce", group, dist.reduce, tensor, dst=dst, op=op, async_op=async_op)
 
 
@@ -1291,7 +1299,8 @@ def broadcast_object(obj, src: int = 0, group=None):
     bytes, as a tensor broadcast is."""
     _check_call("broadcast_object", group, src=src)
     box = [obj]
-    _record("broadcast", 0, group, counted=False)  # the debug mode's check, before the op
+    _record("broadcast", 0, group, counted=False,  # the debug mode's check, before the op
+            detail=f"src={src}")
     with reporting_broken_links("broadcast_object", group):
         dist.broadcast_object_list(box, src=src, group=group)
     if comm_counter.counting():  # every rank counts the payload, as for a tensor broadcast

@@ -49,7 +49,7 @@ def test_extra_all_gather_is_caught_on_every_rank_naming_both_call_sites(world2)
     for message in world2.run(_extra_all_gather):
         assert "collective mismatch in the group of ranks [0, 1]" in message
         assert "rank 0: all_gather(shape=[8], dtype=float32) #0 at" in message
-        assert "rank 1: all_reduce(shape=[4], dtype=float32) #0 at" in message
+        assert "rank 1: all_reduce(op=SUM, shape=[4], dtype=float32) #0 at" in message
         assert gather_site in message and reduce_site in message
     # The check ran before the real collectives: the world is still in step.
     assert world2.run(_matching_program) == [_expected_matching()] * 2
@@ -61,8 +61,45 @@ def _shape_mismatch():
 
 def test_same_op_with_different_shapes_is_caught(world2):
     for message in world2.run(_shape_mismatch):
-        assert "rank 0: all_reduce(shape=[3]" in message
-        assert "rank 1: all_reduce(shape=[4]" in message
+        assert "rank 0: all_reduce(op=SUM, shape=[3]" in message
+        assert "rank 1: all_reduce(op=SUM, shape=[4]" in message
+
+
+def _reduction_or_root_mismatch(case):
+    """Same op, shape and dtype on both ranks; only the reduction or the root differs (gloo
+    would reduce with each rank's own op, or hang with two sources, without an error)."""
+    from torch.distributed import ReduceOp
+
+    def body():
+        rank = distributed.get_rank()
+        x = torch.full((4,), float(rank + 1))
+        op = ReduceOp.MAX if rank else ReduceOp.SUM
+        if case == "all_reduce":
+            distributed.all_reduce(x, op=op)
+        elif case == "reduce_scatter":
+            distributed.reduce_scatter_tensor(torch.empty(2), x, op=op)
+        elif case == "reduce":
+            distributed.reduce(x, dst=rank)
+        elif case == "broadcast":
+            distributed.broadcast(x, src=rank)
+        else:
+            distributed.broadcast_object({"rank": rank}, src=rank)
+        return "no error"
+    return _with_debug(body)
+
+
+def test_a_different_reduction_or_root_is_caught_before_the_collective(world2):
+    expected = {"all_reduce": ("all_reduce(op=SUM,", "all_reduce(op=MAX,"),
+                "reduce_scatter": ("reduce_scatter(op=SUM,", "reduce_scatter(op=MAX,"),
+                "reduce": ("reduce(op=SUM, dst=0,", "reduce(op=SUM, dst=1,"),
+                "broadcast": ("broadcast(src=0,", "broadcast(src=1,"),
+                "broadcast_object": ("broadcast(src=0,", "broadcast(src=1,")}
+    for case, (first, second) in expected.items():
+        for message in world2.run(_reduction_or_root_mismatch, case):
+            assert "its reduction or root" in message, (case, message)
+            assert f"rank 0: {first}" in message and f"rank 1: {second}" in message, message
+        # nothing was sent: the world is still in step
+        assert world2.run(_matching_program) == [_expected_matching()] * 2
 
 
 def _matching_program():
