@@ -57,6 +57,7 @@ def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg:
         _refuse_sequence_parallel_at_stage3(model)
     if zero.stage in (0, 1):
         kwargs["find_unused_parameters"] = zero.ignore_unused_parameters
+    _refuse_parameters_outside_model(model, recipe)
     left_out = _left_out_of_optimizer(model, recipe)
     if zero.stage < 3:  # 16-bit weights, fp32 masters in the optimizer (shards)
         kwargs["master_weights"] = cfg.precision.dtype != "fp32"
@@ -101,23 +102,51 @@ def _stage3_mixed_precision(cfg: EngineConfig):
                                 reduce_dtype=reduce, keep_buffer_dtypes=True)
 
 
+def _optimizer_params(recipe: OptimizerRecipe) -> Optional[list]:
+    """The tensors the optimizer built from ``recipe`` steps, in its groups' order; ``None``
+    for "every trainable parameter of the model". Local."""
+    groups = recipe.instance.param_groups if recipe.instance is not None \
+        else recipe.param_groups
+    if groups is None:
+        return None
+    tensors = []
+    for group in groups:
+        params = group["params"] if isinstance(group, Mapping) else group
+        params = [params] if isinstance(params, torch.Tensor) else params
+        # torch's optimizers also take (name, parameter) pairs (model.named_parameters())
+        tensors.extend(p[1] if isinstance(p, tuple) else p for p in params)
+    return tensors
+
+
+def _refuse_parameters_outside_model(model: nn.Module,
+                                     recipe: Optional[OptimizerRecipe]) -> None:
+    """A ConfigError when the optimizer (or ``model_parameters=``) holds tensors that are not
+    parameters of ``model``: no stage averages their gradients (the wrappers reduce the
+    model's), so the optimizer would step another model's tensors with one rank's gradients,
+    or nothing at all, while the model never trains. Local."""
+    tensors = [] if recipe is None else (_optimizer_params(recipe) or [])
+    own = {id(p) for p in model.parameters()}
+    foreign = [i for i, t in enumerate(tensors) if id(t) not in own]
+    if not foreign:
+        return
+    shapes = [tuple(tensors[i].shape) for i in foreign]
+    raise ConfigError(
+        f"initialize: the optimizer (or model_parameters=...) holds {len(foreign)} of "
+        f"{len(tensors)} tensors that are not parameters of model (shapes {_shown(shapes)}); "
+        f"their gradients would never be averaged over the ranks, and a model whose "
+        f"parameters the optimizer does not hold never trains. Build the optimizer over "
+        f"model.parameters() (register any other trained tensor on the model first)")
+
+
 def _left_out_of_optimizer(model: nn.Module, recipe: Optional[OptimizerRecipe]) -> list[str]:
     """Names of ``model``'s trainable parameters that the optimizer built from ``recipe`` does
     not step (``model_parameters=...`` or a passed optimizer covering only some of them, as
     DeepSpeed allows: the others get gradients and are never updated); ``[]`` when it steps
     them all or there is no optimizer. Local."""
-    if recipe is None:
+    tensors = None if recipe is None else _optimizer_params(recipe)
+    if tensors is None:  # no optimizer, or every trainable parameter
         return []
-    groups = recipe.instance.param_groups if recipe.instance is not None \
-        else recipe.param_groups
-    if groups is None:  # every trainable parameter
-        return []
-    stepped = set()
-    for group in groups:
-        params = group["params"] if isinstance(group, Mapping) else group
-        params = [params] if isinstance(params, torch.Tensor) else params
-        # torch's optimizers also take (name, parameter) pairs (model.named_parameters())
-        stepped.update(id(p[1] if isinstance(p, tuple) else p) for p in params)
+    stepped = {id(t) for t in tensors}
     return [name for name, p in model.named_parameters()
             if p.requires_grad and id(p) not in stepped]
 

@@ -491,3 +491,30 @@ def test_module_state_dict_arguments_load_and_was_step_applied(world2):
             assert unfrozen == sorted(k for k in names if k != "0.bias"), unfrozen
             assert diff < 1e-6, (stage, diff)
             assert "missing keys ['0.bias', '2.bias'" in refused, refused
+
+
+def _optimizer_of_another_model(stage: int, how: str):
+    """An optimizer (or ``model_parameters=``) over another model's parameters: no stage
+    averages their gradients, and the model itself would never train (stages 0, 1 and 3 ran
+    and left it unchanged, silently)."""
+    model, other = _model(), _model()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "steps_per_print": 1000}
+    if how == "optimizer":
+        kwargs = {"optimizer": torch.optim.SGD(other.parameters(), lr=0.1)}
+    else:
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+        kwargs = {"model_parameters": list(model[4].parameters()) + [other[0].weight]}
+    try:
+        shardkit.initialize(model=model, config=config, **kwargs)
+    except ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_an_optimizer_over_tensors_outside_the_model_is_refused_at_every_stage(world2):
+    for stage in (0, 1, 2, 3):
+        for message in world2.run(_optimizer_of_another_model, stage, "optimizer"):
+            assert "holds 6 of 6 tensors that are not parameters of model" in message, message
+        for message in world2.run(_optimizer_of_another_model, stage, "model_parameters"):
+            assert "holds 1 of 3 tensors that are not parameters of model" in message, message
