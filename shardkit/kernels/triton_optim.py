@@ -84,13 +84,16 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, lp_ptr, offs, mask, step_
         tl.store(g_ptr + offs, cast_to(g, g_ptr.dtype.element_ty), mask=mask)
     p, m, v, vmax = _adamw_math(p, g, m, v, vmax, step_size, bc2_sqrt, lr, beta1, beta2, eps,
                                 weight_decay, DECOUPLED, AMSGRAD, MAXIMIZE)
-    tl.store(p_ptr + offs, cast_to(p, p_ptr.dtype.element_ty), mask=mask)
+    stored = cast_to(p, p_ptr.dtype.element_ty)
+    tl.store(p_ptr + offs, stored, mask=mask)
     tl.store(m_ptr + offs, cast_to(m, m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, cast_to(v, v_ptr.dtype.element_ty), mask=mask)
     if AMSGRAD:
         tl.store(vmax_ptr + offs, cast_to(vmax, vmax_ptr.dtype.element_ty), mask=mask)
     if HAS_LP:
-        tl.store(lp_ptr + offs, cast_to(p, lp_ptr.dtype.element_ty), mask=mask)
+        # the cast of the parameter as stored (a 16-bit parameter rounded once, then cast),
+        # as the torch backend's copy_ of the updated parameter
+        tl.store(lp_ptr + offs, cast_to(widen(stored), lp_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

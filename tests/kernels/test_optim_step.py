@@ -87,6 +87,26 @@ def test_adamw_step_matches_reference(backend, n, grad_dtype, hyper, first_step,
 
 
 @SETTINGS
+@given(n=SIZES, dtypes=st.sampled_from([(torch.float16, torch.bfloat16),
+                                        (torch.bfloat16, torch.float16),
+                                        (torch.bfloat16, torch.bfloat16)]),
+       seed=st.integers(0, 2**16))
+def test_low_precision_out_of_a_16_bit_param_is_the_cast_of_the_stored_param(
+        backend, n, dtypes, seed):
+    # the Triton kernel cast the unrounded fp32 update into the copy: 241 of 4096 fp16
+    # parameters' bf16 copies differed from the parameter it stored (the torch backend's agreed)
+    param_dtype, out_dtype = dtypes
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen).to(param_dtype)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    lp = torch.empty(n, dtype=out_dtype)
+    for step in (1, 2):
+        adamw_step(p, torch.randn(n, generator=gen).to(param_dtype), m, v, step=step, lr=0.01,
+                   weight_decay=0.01, low_precision_out=lp)
+        assert torch.equal(lp, p.to(out_dtype)), "low_precision_out must be the cast param"
+
+
+@SETTINGS
 @given(n=SIZES, amsgrad=st.booleans(), seed=st.integers(0, 2**16))
 def test_found_inf_skips_everything(backend, n, amsgrad, seed):
     gen = torch.Generator().manual_seed(seed)
