@@ -55,3 +55,34 @@ def test_a_second_world_in_the_process_gets_groups_of_its_own(world2, how):
     for first, second in world2.run(_restart, path, how):
         assert second == first
         assert first[1] == [0.0, 0.0, 1.0, 1.0]
+
+
+def _tensor_parallel_restart(path: str, how: str) -> list:
+    """initialize_model_parallel in the first world; in the second, its groups are gone (they
+    survived and every tensor-parallel layer failed at forward with "Process group ... is not
+    initialized in the world group map", and initialize_model_parallel refused to run again)."""
+    from shardkit.nn import model_parallel as mp
+    mp.initialize_model_parallel(2)
+    rank, size = skdist.get_rank(), skdist.get_world_size()
+    skdist.destroy() if how == "shardkit" else dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=size)
+    seen = [mp.model_parallel_is_initialized()]
+    try:
+        mp.get_model_parallel_group()
+    except RuntimeError as error:
+        seen.append(str(error))
+    mp.initialize_model_parallel(2)
+    torch.manual_seed(0)
+    layer = mp.ColumnParallelLinear(4, 4, gather_output=True)
+    seen.append(tuple(layer(torch.ones(2, 4)).shape))
+    mp.destroy_model_parallel()
+    return seen
+
+
+@pytest.mark.parametrize("how", ["shardkit", "torch"])
+def test_tensor_parallel_groups_of_a_torn_down_world_are_forgotten(world2, how):
+    path = os.path.join(tempfile.mkdtemp(), "store")
+    for initialized, error, shape in world2.run(_tensor_parallel_restart, path, how):
+        assert initialized is False
+        assert "needs the model-parallel groups" in error
+        assert shape == (2, 4)

@@ -123,7 +123,16 @@ def _no_groups() -> None:
     return None
 
 
-_GROUPS: Optional[_Groups] = None
+# the groups of the current initialize_model_parallel, under "groups": emptied with the world
+# they were built in (destroy_process_group, shardkit.distributed.destroy), so a later world
+# in the same process never gets groups that point into a torn-down one
+_CURRENT = distributed.GroupCache()
+
+
+def _current_groups() -> Optional[_Groups]:
+    """The current groups, ``None`` before :func:`initialize_model_parallel`, after
+    :func:`destroy_model_parallel` or once the world they were built in is gone. Local."""
+    return _CURRENT.current().get("groups")
 
 
 def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1,
@@ -159,7 +168,6 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
             ``model_parallel_size * pipeline_length`` (the message has the numbers), or sizes
             that differ between ranks (on every rank).
     """
-    global _GROUPS
     _check_fairscale_options(context_parallel_size, timeout, {
         "ddp_backend": ddp_backend, "model_parallel_backend": model_parallel_backend,
         "pipeline_backend": pipeline_backend, "cp_backend": cp_backend})
@@ -167,9 +175,10 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
                   "pipeline": pipeline_backend}
     timeout_s = None if timeout is None else timeout.total_seconds()
     distributed.require_initialized("initialize_model_parallel")
-    if _GROUPS is not None:
+    existing = _current_groups()
+    if existing is not None:
         raise RuntimeError(
-            f"initialize_model_parallel: groups already exist ({_GROUPS.layout}); call "
+            f"initialize_model_parallel: groups already exist ({existing.layout}); call "
             f"destroy_model_parallel() first")
     model_parallel_size, pipeline_length = _as_int(model_parallel_size), _as_int(pipeline_length)
     _check_same_sizes_on_every_rank(model_parallel_size, pipeline_length)
@@ -184,7 +193,8 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
             if rank in ranks:
                 found[kind] = (group, tuple(ranks))
     context = distributed.single_rank_group()  # collective the first time, then cached
-    _GROUPS = _Groups(layout, *found["tensor"], *found["pipeline"], *found["data"], context)
+    _CURRENT.current()["groups"] = _Groups(layout, *found["tensor"], *found["pipeline"],
+                                           *found["data"], context)
 
 
 def _as_int(size):
@@ -224,8 +234,9 @@ def _check_fairscale_options(context_parallel_size, timeout, backends: dict) -> 
 
 
 def model_parallel_is_initialized() -> bool:
-    """True between :func:`initialize_model_parallel` and :func:`destroy_model_parallel`."""
-    return _GROUPS is not None
+    """True between :func:`initialize_model_parallel` and :func:`destroy_model_parallel`, while
+    the default process group they were built under lives."""
+    return _current_groups() is not None
 
 
 def destroy_model_parallel() -> None:
@@ -237,8 +248,7 @@ def destroy_model_parallel() -> None:
     :func:`~shardkit.nn.model_parallel.reduce_sequence_parallel_grads` given their parameters
     (pass a layer's ``tp_group`` to ``vocab_parallel_cross_entropy``).
     """
-    global _GROUPS
-    _GROUPS = None
+    _CURRENT.current().pop("groups", None)
 
 
 def current_groups(what: str) -> _Groups:
@@ -271,11 +281,12 @@ def groups_of(tagged, what: str) -> _Groups:
 
 
 def _groups(what: str) -> _Groups:
-    if _GROUPS is None:
+    groups = _current_groups()
+    if groups is None:
         raise RuntimeError(
             f"{what} needs the model-parallel groups: call shardkit.nn.model_parallel."
             f"initialize_model_parallel(model_parallel_size, pipeline_length) on every rank first")
-    return _GROUPS
+    return groups
 
 
 def get_parallel_layout() -> ParallelLayout:
