@@ -32,6 +32,19 @@ def _refuse_non_bool_switches(call: str, outcome: str, **switches) -> None:
                              f"{outcome}")
 
 
+def _refuse_different_async_save(flags: list) -> None:
+    """A ``CheckpointError`` (on every rank: each holds every rank's flag) unless every rank
+    passed the same ``async_save``. Local."""
+    if len(set(flags)) == 1:
+        return
+    from shardkit.checkpoint import CheckpointError
+    on = [r for r, flag in enumerate(flags) if flag]
+    off = [r for r, flag in enumerate(flags) if not flag]
+    raise CheckpointError(f"save_checkpoint: async_save=True on rank(s) {on} and False on rank(s) "
+                          f"{off}; a save is collective, so pass the same async_save on every "
+                          f"rank; nothing was written")
+
+
 class NoOptimizer:
     """What the checkpoint writer sees of a forward-only engine's optimizer: no param groups,
     no state (see :meth:`~shardkit.engine.ShardedEngine._optimizer_state_for_checkpoint`)."""
@@ -99,11 +112,11 @@ class CheckpointMethods:
         self._agree_on_step_skipped("engine.save_checkpoint()", keeps_step_owed=True)
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)  # DeepSpeed's: an epoch or a loss names a tag
-        if self.model_parallel is not None and async_save:
+        tag = self._validate_tag(tag, client_state, bool(async_save))
+        if self.model_parallel is not None and async_save:  # on every rank: the ranks agree
             raise ValueError(
                 f"engine.save_checkpoint(async_save=True): not with tensor parallelism "
                 f"(tensor-parallel size {self.mp_world_size}); save with async_save=False")
-        tag = self._validate_tag(tag, client_state)
         if self.model_parallel is not None:
             return self._save_tensor_parallel_checkpoint(save_dir, tag, client_state,
                                                          save_latest, exclude_frozen_parameters)
@@ -178,27 +191,29 @@ class CheckpointMethods:
                                   f"{f': {error}' if error else ' on another rank'}; "
                                   f"'latest' still names the previous checkpoint") from error
 
-    def _validate_tag(self, tag: Optional[str], client_state=None) -> Optional[str]:
+    def _validate_tag(self, tag: Optional[str], client_state=None,
+                      async_save: bool = False) -> Optional[str]:
         """What every rank must agree on before a save writes anything: rank 0's
-        ``client_state`` loads back (else a ``TypeError`` on every rank), and the config's
+        ``client_state`` loads back (else a ``TypeError`` on every rank), ``async_save`` is
+        the same on every rank (else a ``CheckpointError`` on every rank: the asynchronous
+        ranks would wait in a collective the others never issue), and the config's
         ``checkpoint.tag_validation``: unless ``"ignore"``, the tag is compared across ranks
         and a difference raises on every rank with ``"fail"``, or with ``"warn"`` warns. Returns
         the tag to save under: rank 0's on every rank (with ``"warn"`` and ``"ignore"`` the
         save goes on, as in DeepSpeed, into one checkpoint that loads, rather than a share of
-        it in each rank's own directory). Communication: one small all-gather (a broadcast of
-        rank 0's verdict and tag with ``"ignore"``); none at world 1."""
+        it in each rank's own directory). Communication: one small all-gather; none at world
+        1."""
         mode = self.config.checkpoint_tag_validation
         problem = _client_state_problem(client_state) if distributed.get_rank() == 0 else None
         if distributed.get_world_size() == 1:
             _raise_client_state_problem(problem)
             return tag
-        if mode == "ignore":
-            problem, tag = distributed.broadcast_object((problem, tag), src=0)
-            _raise_client_state_problem(problem)
-            return tag
-        gathered = distributed.all_gather_object((tag, problem))
+        gathered = distributed.all_gather_object((tag, problem, async_save))
         _raise_client_state_problem(gathered[0][1])
-        tags = [t for t, _ in gathered]
+        _refuse_different_async_save([flag for *_, flag in gathered])
+        if mode == "ignore":
+            return gathered[0][0]
+        tags = [t for t, *_ in gathered]
         if len(set(tags)) == 1:
             return tag
         message = f"save_checkpoint: the ranks passed different tags {tags}"

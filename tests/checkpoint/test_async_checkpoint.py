@@ -108,3 +108,31 @@ def test_failed_background_write_raises_at_the_next_save_and_keeps_latest(world2
     for r in world2.run(_failed_async_save, str(tmp_path / "ckpt")):
         assert r["error"] is not None and "'latest' still names the previous" in r["error"]
         assert r["latest"] == "good" and r["listing"] == ["good", "latest", "zero_to_fp32.py"]
+
+
+def _async_on_one_rank(save_dir, validation):
+    """``async_save`` that differs between ranks (a flag read on some ranks only): the
+    asynchronous rank waited in the background writer's group creation, which the other never
+    joined, until the process-group timeout, then blamed a dead peer."""
+    engine, _, _, _ = shardkit.initialize(model=GPT(TINY, seed=0), config={
+        "train_batch_size": 4, "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 1}, "checkpoint": {"tag_validation": validation}})
+    _train(engine, 1)
+    try:
+        engine.save_checkpoint(save_dir, tag="t", async_save=distributed.get_rank() == 1)
+        engine.wait_for_checkpoint()
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    # the world is still usable: a save that agrees goes through
+    engine.save_checkpoint(save_dir, tag="after")
+    return error, sorted(os.listdir(save_dir))
+
+
+def test_async_save_differing_between_ranks_is_refused_on_every_rank(world2, tmp_path):
+    for validation in ("Fail", "Ignore"):
+        save_dir = str(tmp_path / validation)
+        for error, listing in world2.run(_async_on_one_rank, save_dir, validation):
+            assert "async_save=True on rank(s) [1] and False on rank(s) [0]" in error
+            assert listing == ["after", "latest", "zero_to_fp32.py"]
