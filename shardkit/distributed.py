@@ -887,13 +887,66 @@ def _gather_rows(what: str, row: Sequence[int], group, device) -> list:
     return every.view(n, len(row)).tolist()
 
 
-def gather_control_rows(what: str, row: Sequence[int], group=None) -> list:
-    """Every rank's ``row`` of ints (one length on every rank), in group-rank order: the small
-    agreement a wrapper makes before a collective step (which ranks offloaded, which call each
-    rank is in). One all-gather of ``len(row)`` int64s a rank on the group's control device
-    (CUDA for NCCL, else the CPU: a host sync on an accelerator); a control message that
-    :class:`CommCounter` does not count. ``what`` names the call in a broken-link error."""
-    return _gather_rows(what, row, group, _control_device(group))
+# Every control row travels as CONTROL_ROW_INTS int64s: [kind code, length, row, zeros], so
+# that two different control agreements that meet (a rank that skipped a step sits in the
+# next forward's agreement while its peer is in the step's) exchange rows of one size and can
+# tell each other apart, instead of gloo aborting on a size mismatch or a row read as another.
+CONTROL_ROW_INTS = 16
+_CONTROL_KINDS: dict = {}  # kind code -> the kind's name, for the mismatch message
+
+
+def control_kind(name: str) -> str:
+    """``name``, registered as a kind of :func:`gather_control_rows` agreement, so that a rank
+    that has not made one yet can name it when its peers are in it. Local."""
+    _CONTROL_KINDS[zlib.crc32(name.encode()) & 0x7FFFFFFF] = name
+    return name
+
+
+def gather_control_rows(what: str, row: Sequence[int], group=None,
+                        kind: Optional[str] = None) -> list:
+    """Every rank's ``row`` of ints, in group-rank order: the small agreement a wrapper makes
+    before a collective step (which ranks offloaded, which call each rank is in). ``kind``
+    (default ``what``) names the agreement: ranks of the group in agreements of different
+    kinds, or with rows of different lengths, raise a RuntimeError on every rank naming where
+    each group rank is, before anything else is sent. ``what`` names the call in errors.
+
+    Communication: one all-gather of :data:`CONTROL_ROW_INTS` int64s a rank (128 bytes) on
+    the group's control device (CUDA for NCCL, else the CPU: a host sync on an accelerator);
+    a row longer than ``CONTROL_ROW_INTS - 2`` takes a second all-gather of its own length.
+    Control messages: :class:`CommCounter` does not count them."""
+    kind = control_kind(what if kind is None else kind)
+    code = zlib.crc32(kind.encode()) & 0x7FFFFFFF
+    row, device = [int(x) for x in row], _control_device(group)
+    fits = len(row) <= CONTROL_ROW_INTS - 2
+    payload = row if fits else []
+    padded = [code, len(row), *payload] + [0] * (CONTROL_ROW_INTS - 2 - len(payload))
+    rows = _gather_rows(what, padded, group, device)
+    _refuse_different_control_calls(what, rows)
+    if fits:
+        return [r[2:2 + len(row)] for r in rows]
+    return _gather_rows(what, row, group, device)
+
+
+def _refuse_different_control_calls(what: str, rows: list) -> None:
+    """Raise on every rank (each holds every rank's header) unless every group rank's row
+    names one kind of agreement and one length. Local."""
+    if all(r[:2] == rows[0][:2] for r in rows):
+        return
+    names = [_CONTROL_KINDS.get(code, f"another shardkit agreement (#{code:x})")
+             for code, *_ in rows]
+    if len(set(names)) == 1:  # one kind, rows of different lengths (ranks of other versions)
+        names = [f"{name} with a row of {length} ints" for name, (_, length, *_) in
+                 zip(names, rows)]
+    where: dict = {}
+    for rank, name in enumerate(names):
+        where.setdefault(name, []).append(rank)
+    listed = "; ".join(f"group rank(s) {ranks} in {name}" for name, ranks in where.items())
+    raise RuntimeError(
+        f"{what}: the ranks of the group are not in the same collective call ({listed}): a "
+        f"rank skipped or added a call that the others made (an optimizer step, a clip, a "
+        f"forward or backward taken on some ranks only, e.g. after a loss checked on one "
+        f"rank); make the same collective calls on every rank, in the same order. Nothing "
+        f"else was sent")
 
 
 def _agree_on_root(what: str, root_name: str, root, problem: Optional[str], group,

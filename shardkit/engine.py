@@ -851,7 +851,7 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         boundary while any rank's optimizer state is offloaded (:meth:`offload_states`), or
         when only some ranks step (the others going on to their next training forward): a
         RuntimeError on every rank, before any collective of the step (the ranks agree first:
-        one all-gather of six int64s a rank per boundary, in a world of several; see
+        one all-gather of 16 int64s a rank per boundary, in a world of several; see
         :meth:`_agree_on_step`). At stages 1-2 that exchange also carries OSS's agreements on
         its param groups before its clip and its step, which then make none of their own: one
         control all-gather a step in all. OSS's step still agrees on its own where a step hook

@@ -37,7 +37,7 @@ def _guard_direct_steps(engine) -> None:
     gradients done first (unscaled, an overflow skipped, clipped:
     :mod:`shardkit.engine_direct_step`), but it is collective, as ``engine.step()`` is: the
     ranks first agree that all of them step and none holds its state offloaded (one
-    all-gather of six int64s a rank over the world, see ``ShardedEngine._agree_on_step``), so
+    all-gather of 16 int64s a rank over the world, see ``ShardedEngine._agree_on_step``), so
     a step called on some ranks only is a RuntimeError on every rank, the ranks that skipped
     it raising at their next training forward."""
     optimizer = engine.optimizer

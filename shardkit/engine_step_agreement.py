@@ -2,7 +2,7 @@
 :class:`shardkit.engine.ShardedEngine`): every rank steps or none, and none with its optimizer
 state offloaded, else a RuntimeError on every rank before any collective of the step; ranks that
 did not step join it at their next reducing forward, backward, checkpoint or gather. At stages
-1-2 it carries OSS's own agreements on its clip and step. Communication: one all-gather of six
+1-2 it carries OSS's own agreements on its clip and step. Communication: one all-gather of 16
 int64s a rank per boundary (a control message), in a world of several ranks.
 """
 
@@ -17,6 +17,8 @@ import torch
 from shardkit import distributed
 from shardkit.optim.oss import OSS
 from shardkit.utils.nested import tensors_in
+
+_STEP_AGREEMENT = distributed.control_kind("the engine's step agreement")
 
 
 # what a rank tells the others in the step agreement (see ShardedEngine._agree_on_step): first
@@ -119,7 +121,7 @@ class StepAgreement:
         ``OSS.agreed_in_advance`` to check as the call would (after this agreement's own
         refusals, which win); the others' calls agree as usual.
 
-        Communication: in a world of several ranks, one all-gather of six int64s a rank (a
+        Communication: in a world of several ranks, one all-gather of 16 int64s a rank (a
         control message ``CommCounter`` does not count)."""
         offloaded = self._offloaded_optimizer_state is not None
         carry = carry or {}
@@ -238,7 +240,7 @@ class StepAgreement:
         step after the ranks agreed, so that a rank stepping later on its own still meets the
         others' agreement at their next forward (a forward clears it: its own backward owes
         the next one). Communication: none unless a pass is pending, then one all-gather of
-        six int64s a rank."""
+        16 int64s a rank."""
         if not self._awaiting_step:
             return
         rows = self._step_agreement_rows(call, [_NOT_STEPPING, 0])
@@ -258,7 +260,7 @@ class StepAgreement:
         row = list(row) + list(oss_rows)
         if distributed.get_world_size() < 2:
             return [row]
-        return distributed.gather_control_rows(call, row)
+        return distributed.gather_control_rows(call, row, kind=_STEP_AGREEMENT)
 
     @staticmethod
     def _refuse_steps_on_some_ranks(call: str, rows: list) -> None:

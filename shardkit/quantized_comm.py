@@ -33,6 +33,8 @@ from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequan
 from shardkit.kernels.packing import chunk_of_rank
 from shardkit.transport import operation_tag
 
+_LAYOUT_AGREEMENT = skdist.control_kind("a quantized collective's layout agreement")
+
 __all__ = ["quantized_all_gather", "quantized_reduce_scatter",
            "quantized_reduce_scatter_hierarchical", "issue_reduce_scatter",
            "PendingQuantized", "node_groups", "node_send_order", "pack_for_nodes",
@@ -93,7 +95,7 @@ _SCALE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 def _agreed_layout(what: str, build: Callable[[], QuantLayout], groups: Sequence,
                    op: Optional[str], check_ranks: bool) -> QuantLayout:
     """The :class:`QuantLayout` that ``build`` (the call's local argument checks) returns, once
-    every rank agrees on it: with ``check_ranks``, one all-gather of 8 int64s a rank over each
+    every rank agrees on it: with ``check_ranks``, one all-gather of 16 int64s a rank over each
     of ``groups`` in turn (control messages :class:`~shardkit.distributed.CommCounter` does
     not count; a node's group then its column's for the hierarchical reduce, where each
     gather carries whether the ranks agreed so far). A rank whose arguments fail raises its
@@ -115,7 +117,8 @@ def _agreed_layout(what: str, build: Callable[[], QuantLayout], groups: Sequence
         _chunk_digest(layout.chunk_numels)]
     ok, verdict = problem is None, None
     for group in groups:
-        rows = skdist.gather_control_rows(what, [int(ok), *facts], group)
+        rows = skdist.gather_control_rows(what, [int(ok), *facts], group,
+                                          kind=_LAYOUT_AGREEMENT)
         ranks = skdist.group_ranks(group)
         failed = [ranks[r] for r, (fine, *_) in enumerate(rows) if not fine]
         if failed and verdict is None:
@@ -187,7 +190,7 @@ def quantized_all_gather(output: Union[torch.Tensor, Sequence[torch.Tensor]],
         check_ranks: first agree with every rank on the quantization and sizes (see below);
             ``False`` for a caller whose arguments every rank derives alike.
 
-    Before it (``check_ranks``), one all-gather of 8 int64s a rank (not counted) compares
+    Before it (``check_ranks``), one all-gather of 16 int64s a rank (not counted) compares
     every rank's call: arguments that fail on one rank, or sizes, bits, block or scale dtype
     that differ between ranks, raise a ValueError on every rank before anything is sent.
     Wire per rank: ``(N-1)/N x N x segment bytes`` of uint8 (one all-gather), about
@@ -408,7 +411,7 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     the inter-node links). Error: within the sum of every rank's half scale plus, per node, the
     half scale of the requantized partial sum (at most about twice the flat bound).
     Memory: the quantized buffers (``N x segment bytes``, twice) and ``k x S`` fp32 partials.
-    Before it (``check_ranks``), one all-gather of 8 int64s a rank inside the node, then one
+    Before it (``check_ranks``), one all-gather of 16 int64s a rank inside the node, then one
     across nodes (not counted), compare every rank's call as :func:`quantized_reduce_scatter`
     does. Returns this rank's reduced shard (``S`` elements, ``out`` if given).
     """

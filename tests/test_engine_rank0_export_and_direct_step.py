@@ -177,7 +177,8 @@ def _train_with(stage: int, direct: bool) -> dict:
             else:
                 engine.backward(loss)
                 engine.step()
-        gathers.append(counted.names)
+        # (at stage 2, ShardedDataParallel's own agreement on the trainable set is not counted)
+        gathers.append([n for n in counted.names if not n.startswith("ShardedDataParallel")])
     return {"gathers": gathers, "weights": [p.detach().clone() for p in engine.parameters()]}
 
 

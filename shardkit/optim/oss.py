@@ -53,6 +53,9 @@ STEPPED_WITH_SCALED_GRADS = ("the last backward already stepped the parameters w
 # param groups (OSS._agree_on_param_groups)
 _AGREEING_METHODS = ("OSS.step", "OSS.add_param_group", "OSS.refresh_trainable",
                      "OSS.clip_grad_norm", "OSS.consolidate_state_dict")
+# one kind for all of them: ranks in different OSS calls get OSS's own message, naming the calls
+OSS_AGREEMENT = distributed.control_kind(
+    "an OSS call's agreement (" + ", ".join(_AGREEING_METHODS) + ")")
 
 
 def _dense(tensor: torch.Tensor) -> bool:
@@ -127,7 +130,7 @@ class OSS(torch.optim.Optimizer):
     :mod:`shardkit.optim.param_sync`; the caller's parameters become views of them, in this
     process's own memory); with ``broadcast_fp16``, during :meth:`step`, the 16-bit copies of
     at most two buckets. Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16
-    / bf16 with ``broadcast_fp16``), one all-gather per bucket, after one all-gather of two
+    / bf16 with ``broadcast_fp16``), one all-gather per bucket, after one all-gather of 16
     int64s a rank checking that every rank steps the same param groups (see :meth:`step`).
     :meth:`clip_grad_norm`: one all-reduce of one element (one more over the tensor-parallel
     group for a model with tensor-parallel layers), after the same agreement as :meth:`step`
@@ -405,7 +408,7 @@ class OSS(torch.optim.Optimizer):
         an error on every rank before any parameter is stepped.
 
         Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket, and the
-        agreement: one all-gather of two int64s a rank (a control message, not counted by
+        agreement: one all-gather of 16 int64s a rank (a control message, not counted by
         ``CommCounter``; see :meth:`_agree_on_param_groups`).
         """
         self._mark_taken_over_optimizer_stepped()
@@ -579,7 +582,7 @@ class OSS(torch.optim.Optimizer):
         first hyper-parameter or argument that differs and its values (a learning rate set on
         some ranks only: each parameter stepped with its owner's, silently).
 
-        Communication: one all-gather of two int64s a rank, the method and a crc32 of the
+        Communication: one all-gather of 16 int64s a rank, the method and a crc32 of the
         settings (a control message that :class:`~shardkit.distributed.CommCounter` does not
         count; no pickling); on a difference, one object all-gather of the hyper-parameters.
         Local work: a ``repr`` of every group's hyper-parameters. Nothing at world size 1, nor
@@ -600,7 +603,8 @@ class OSS(torch.optim.Optimizer):
                 f"on this rank (rank {self.rank}) after OSS.agreed_in_advance agreed on them; "
                 f"inside that block, call {method.split('.')[1]} as agreed and change no "
                 f"setting. Nothing was changed, clipped or stepped")
-        every = distributed.gather_control_rows(f"{method}'s agreement", row, self.group)
+        every = distributed.gather_control_rows(f"{method}'s agreement", row, self.group,
+                                                kind=OSS_AGREEMENT)
         self._check_agreement_rows(method, every, settings)
 
     def _agreement_settings(self, method: str, added: Sequence[dict] = (),
@@ -819,7 +823,7 @@ class OSS(torch.optim.Optimizer):
         when every rank holds the full reduced gradients (DDP) and when only the owners do
         (ShardedDDP); one all-reduce of one element, after the ranks agree that they all clip,
         with the same ``max_norm`` and ``norm_type`` and param groups (the agreement of
-        :meth:`step`: one all-gather of two int64s a rank; clipping on some ranks only mixed
+        :meth:`step`: one all-gather of 16 int64s a rank; clipping on some ranks only mixed
         one rank's partial norm into another's collective, or hung). Every gradient this rank
         holds is scaled
         (under DDP, also those of parameters other ranks own: ``p.grad`` then reads as after
@@ -901,7 +905,7 @@ class OSS(torch.optim.Optimizer):
         re-partition. Collective once OSS is built; moved optimizer state follows its parameter.
         Called on some ranks only (the others stepping, or adding another group), it is an
         error on every rank, with nothing changed: the param groups' agreement of :meth:`step`
-        (one all-gather of two int64s a rank), then the trainable parameters' all-gather.
+        (one all-gather of 16 int64s a rank), then the trainable parameters' all-gather.
         """
         if not self._ready:  # torch's Optimizer.__init__ adding the initial groups
             super().add_param_group(param_group)

@@ -614,3 +614,37 @@ def _rank0_evaluates_alone():
 
 def test_one_rank_evaluating_with_grad_enabled_does_not_hang(world2):
     assert world2.run(_rank0_evaluates_alone) == [True, True]
+
+
+def _step_skipped_on_one_rank():
+    """Rank 1 skips one ``optimizer.step()`` (a loss it alone found bad) and goes on: its next
+    forward's trainable-set agreement met rank 0's OSS step agreement, rows of 1 and 2 int64s
+    (gloo aborted rank 1; rank 0 read the short row as a method code: a bare IndexError)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    optimizer = OSS(model.parameters(), lr=0.1)
+    ddp = ShardedDataParallel(model, optimizer)
+    rank = skdist.get_rank()
+    try:
+        for step in range(2):
+            ddp(torch.ones(2, 4) * (rank + 1)).sum().backward()
+            if not (step == 0 and rank == 1):
+                optimizer.step()
+            optimizer.zero_grad()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        message = "no error"
+    # the check ran before anything else was sent: the ranks can agree again afterwards
+    skdist.barrier()
+    return message
+
+
+def test_a_step_skipped_on_one_rank_names_where_each_rank_is(world2):
+    oss, sdp = world2.run(_step_skipped_on_one_rank)
+    for message in (oss, sdp):
+        assert "the ranks of the group are not in the same collective call" in message, message
+        assert "group rank(s) [0] in an OSS call's agreement (OSS.step," in message
+        assert "group rank(s) [1] in ShardedDataParallel's agreement on the trainable" in message
+    assert oss.startswith("OSS.step's agreement:")
+    assert sdp.startswith("ShardedDataParallel (its ranks' agreement")

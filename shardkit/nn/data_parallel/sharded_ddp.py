@@ -72,8 +72,8 @@ class ShardedDataParallel(nn.Module):
             dtype or device of a trainable parameter, ``ddp.double()``, or an OSS
             re-partitioned) and re-plan the buckets; otherwise call :meth:`refresh_trainable`.
             The ranks agree on it: the first forward in training mode with grad enabled
-            after each reduction (and a forward that finds a change) all-gathers one element
-            per rank (a wait for the device on CUDA), so a change made between steps on some
+            after each reduction (and a forward that finds a change) all-gathers one control
+            row per rank (a wait for the device on CUDA), so a change made between steps on some
             ranks only raises the same ValueError on every rank (naming the parameter) instead
             of hanging them. So does the start of each reducing backward (before any bucket
             is sent) and :meth:`reduce`, one element per rank more: a change inside an
@@ -145,9 +145,10 @@ class ShardedDataParallel(nn.Module):
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
     module's buffers once per step (at the first forward after a reducing one, as torch DDP);
-    one element per rank all-gathered at the first forward of a step and at the start of a
-    reducing backward (``auto_refresh_trainable``), and per :meth:`reduce`, plus the
-    ``requires_grad`` flags when one changed.
+    one control row per rank (128 bytes, not counted by ``CommCounter``) all-gathered at the
+    first forward of a step and at the start of a reducing backward
+    (``auto_refresh_trainable``), and per :meth:`reduce`, plus the ``requires_grad`` flags
+    when one changed.
 
     Usage::
 
@@ -298,7 +299,7 @@ class ShardedDataParallel(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         """Run the module; first re-plan if the trainable set changed on any rank
-        (``auto_refresh_trainable``: one element per rank all-gathered at a step's first
+        (``auto_refresh_trainable``: one control row per rank all-gathered at a step's first
         forward with grad enabled) and broadcast rank 0's buffers (``broadcast_buffers``; as
         torch DDP, only when the previous forward was a reducing one, grad enabled and outside
         :meth:`no_sync`, or :meth:`reduce` ran since)."""
@@ -350,9 +351,11 @@ class ShardedDataParallel(nn.Module):
     def _plan_is_stale_on_any_rank(self, stale: bool, site: int,
                                    drops_grads: bool = False) -> bool:
         """Whether ``requires_grad`` (or an OSS partition) changed on any rank since the plan
-        (``stale``: on this one): one element per rank all-gathered over the group (a wait for
-        the device on CUDA), so that a change on some ranks only is noticed by all of them
-        rather than hanging the others. An all-gather: no gradient goes to every rank.
+        (``stale``: on this one): one control row per rank all-gathered over the group
+        (:func:`~shardkit.distributed.gather_control_rows`; a wait for the device on CUDA), so
+        that a change on some ranks only is noticed by all of them rather than hanging the
+        others, and a rank in another agreement (OSS's step, after a step skipped on some
+        ranks) is named on every rank. An all-gather: no gradient goes to every rank.
 
         Each element also says where its rank is (``site``: a forward, the start of a reducing
         backward, :meth:`reduce`). Where some rank found a change, every rank then compares
@@ -374,15 +377,14 @@ class ShardedDataParallel(nn.Module):
             if replaced:
                 raise self._replaced_error(replaced)
             return stale
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         code = 16 * bool(replaced) + 8 * drops_grads + 2 * site + stale
-        mine = torch.tensor([self._planned_fingerprint << _CODE_BITS | code], dtype=torch.int64,
-                            device=device)
-        every = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        skdist.all_gather_into_tensor(every, mine, group=self.process_group)
-        codes = [c & _CODE_MASK for c in every.tolist()]
+        every = [row[0] for row in skdist.gather_control_rows(
+            "ShardedDataParallel (its ranks' agreement on the trainable parameters)",
+            [self._planned_fingerprint << _CODE_BITS | code], self.process_group,
+            kind=_TRAINABLE_AGREEMENT)]
+        codes = [c & _CODE_MASK for c in every]
         if not any(c & 1 for c in codes):
-            if len({c >> _CODE_BITS for c in every.tolist()}) > 1:
+            if len({c >> _CODE_BITS for c in every}) > 1:
                 raise self._plans_differ_error()
             return False
         if any(c & 16 for c in codes):
@@ -985,6 +987,9 @@ _AT_FORWARD, _AT_BACKWARD, _AT_REDUCE = 0, 1, 2
 # The agreement's element: the plan's fingerprint above the code's bits (stale, site, ...).
 _CODE_BITS = 5
 _CODE_MASK = (1 << _CODE_BITS) - 1
+_TRAINABLE_AGREEMENT = skdist.control_kind(
+    "ShardedDataParallel's agreement on the trainable parameters (at a training forward or "
+    "the reducing backward)")
 
 
 def _planned_attributes(p: torch.Tensor) -> tuple:

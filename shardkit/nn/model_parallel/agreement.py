@@ -19,8 +19,8 @@ collective debug mode only (``SHARDKIT_DEBUG_COLLECTIVES=1`` or
 shape and dtype), as a host synchronisation per layer forward would stall an accelerator's
 queue; off, a forward's local refusal is raised on its rank alone, as before.
 
-Cost, per call, at tensor-parallel size ``n > 1`` (nothing at size 1): one all-gather of two
-int64s per rank (a verdict and a CRC-32 of the compared values; ``16 n`` bytes), a control
+Cost, per call, at tensor-parallel size ``n > 1`` (nothing at size 1): one all-gather of 16
+int64s per rank (a header, a verdict, a CRC-32 of the compared values; ``128 n`` bytes), a control
 message on the group's control device that :class:`~shardkit.distributed.CommCounter` does not
 count; under NCCL it is on the GPU and its result is read on the host (one host
 synchronisation). Only when the ranks differ or one refused, one more object all-gather of
@@ -36,6 +36,8 @@ from typing import Any, Mapping, Optional
 
 from shardkit import distributed
 from shardkit.collective_check import debug_collectives_enabled
+
+_TP_AGREEMENT = distributed.control_kind("the tensor-parallel ranks' agreement")
 
 __all__ = ["agree_on_arguments", "agree_on_input", "local_problem", "ARGUMENTS_RULE",
            "INPUT_RULE"]
@@ -127,7 +129,7 @@ def _agree(what: str, facts: dict, problem: Optional[BaseException], group, size
         return
     row = [0 if problem is not None else 1, _digest(what, facts)]
     rows = distributed.gather_control_rows(f"{what} (the tensor-parallel ranks' agreement)",
-                                           row, group)
+                                           row, group, kind=_TP_AGREEMENT)
     if all(ok for ok, _ in rows) and len({digest for _, digest in rows}) == 1:
         return
     # Note: only here, where every rank saw the same rows (so every rank takes this branch),

@@ -167,7 +167,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     smoothing); no gathering of logits. Before them, the tensor-parallel ranks agree on the
     logits' and the target's shapes, the logits' dtype, ``ignore_index`` and
     ``label_smoothing`` in the collective debug mode (``SHARDKIT_DEBUG_COLLECTIVES=1``: one
-    all-gather of two int64s per rank, not counted by ``CommCounter``; a host synchronisation
+    all-gather of 16 int64s per rank, not counted by ``CommCounter``; a host synchronisation
     under NCCL): logits or targets of another shape on one rank (another batch, another slice
     of the vocabulary), or an argument refused on one rank, raise a ``ValueError`` (or that
     rank's own error) on every rank, where gloo hung. With the mode off, a local refusal is

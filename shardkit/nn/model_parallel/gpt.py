@@ -7,7 +7,7 @@ column-parallel, the attention output and the second MLP linear row-parallel, so
 exactly two all-reduces of the activation (``[batch, seq, d_model]``) forward and two backward
 (with ``sequence_parallel``: two all-gathers + two reduce-scatters each way, the same bytes),
 plus, forward in the collective debug mode only, each layer's agreement on its input's shape
-(four control all-gathers of two int64s per rank, not counted by ``CommCounter``; see
+(four control all-gathers of 16 int64s per rank, not counted by ``CommCounter``; see
 :mod:`.layers`). The embedding is
 vocabulary-parallel and the head column-parallel without gathering: the loss is
 :func:`vocab_parallel_cross_entropy`, so the ``[tokens, vocab]`` logits never exist whole.

@@ -15,7 +15,7 @@ layer                             weight held per rank    communication per forw
 ================================  ======================  ==========================================
 
 Beside these, every construction makes the ranks' agreement on its arguments, and in the
-collective debug mode every forward the agreement on its input: two int64s per rank each (see
+collective debug mode every forward the agreement on its input: 16 int64s per rank each (see
 below).
 
 With ``sequence_parallel=True`` the activations outside the layers are split along the sequence:
@@ -61,7 +61,7 @@ the process, hung, or summed misaligned slices without an error:
   ``ValueError`` with every rank's shape, raised before the layer's first collective. Off (the
   default) a forward exchanges nothing more and a local refusal is its rank's alone.
 
-Each costs one all-gather of two int64s per rank over the tensor-parallel group (``16 n``
+Each costs one all-gather of 16 int64s per rank over the tensor-parallel group (``128 n``
 bytes), a control message that ``CommCounter`` does not count, on the group's control device
 (under NCCL the GPU, whose result the host reads: one synchronisation); nothing at
 tensor-parallel size 1, nothing in backward (a gradient has its activation's shape).
@@ -223,7 +223,7 @@ class TensorParallelModule(KeepsParameterMarks):
         layer's global ``arguments``, and this rank's ``problem`` (its argument checks' error)
         is raised on every rank that has one, a ValueError on the others (see
         :func:`~shardkit.nn.model_parallel.agreement.agree_on_arguments`: one all-gather of
-        two int64s per rank, not counted by ``CommCounter``; none at size 1).
+        16 int64s per rank, not counted by ``CommCounter``; none at size 1).
 
         Inside :func:`local_construction` the layer agrees at the start of its first
         ``forward`` instead (before any collective of it; the same cost, once; none for a
@@ -240,7 +240,7 @@ class TensorParallelModule(KeepsParameterMarks):
         shape and dtype (and ``facts``), and this rank's ``problem`` (its input check's error)
         is raised on every rank (see
         :func:`~shardkit.nn.model_parallel.agreement.agree_on_input`: in the collective debug
-        mode one all-gather of two int64s per rank, not counted by ``CommCounter``; none at
+        mode one all-gather of 16 int64s per rank, not counted by ``CommCounter``; none at
         size 1 or with the mode off). First, for a layer built in :func:`local_construction`,
         at its first forward only: the ranks' agreement on its arguments (see
         :meth:`_agree_on_arguments`)."""
@@ -591,7 +591,7 @@ class ColumnParallelLinear(TensorParallelModule):
     ``gather_output`` the returned bias is all-gathered too (``out`` more elements forward, a
     ``1/n`` slice kept backward, no communication) and costs its full size per rank while used.
     Plus the ranks' agreement (module docstring): on the arguments once at construction, and in
-    the collective debug mode on the input's shape and dtype at each forward (two int64s per
+    the collective debug mode on the input's shape and dtype at each forward (16 int64s per
     rank each, not counted by ``CommCounter``).
     """
 
@@ -709,7 +709,7 @@ class RowParallelLinear(TensorParallelModule):
     output (``2(n-1)/n`` of its bytes), or with ``sequence_parallel`` a reduce-scatter forward and
     an all-gather backward (``(n-1)/n`` each). ``skip_bias_add`` changes neither. Plus the
     ranks' agreement (module docstring): on the arguments once at construction, in the collective
-    debug mode on the input's shape and dtype at each forward (two int64s per rank each, not
+    debug mode on the input's shape and dtype at each forward (16 int64s per rank each, not
     counted by ``CommCounter``).
     """
 
@@ -823,7 +823,7 @@ class VocabParallelEmbedding(TensorParallelModule):
     Memory: ``V * dim / n`` per rank. Communication: forward all-reduce of the output
     (``2(n-1)/n`` of its bytes), or a reduce-scatter with ``sequence_parallel``; backward none.
     Plus the ranks' agreement (module docstring): on the arguments once at construction, in the
-    collective debug mode on the ids' shape at each forward (two int64s per rank each, not
+    collective debug mode on the ids' shape at each forward (16 int64s per rank each, not
     counted by ``CommCounter``).
     """
 
@@ -968,7 +968,7 @@ class ParallelEmbedding(TensorParallelModule):
     (``(n-1)/n`` of its bytes), plus with ``max_norm`` an all-reduce of one float per distinct
     token id of the batch (the partial row norms); backward none. Plus the ranks' agreement
     (module docstring): on the arguments once at construction, in the collective debug mode on
-    the ids' shape (and, with ``max_norm``, their number of distinct ids) at each forward (two
+    the ids' shape (and, with ``max_norm``, their number of distinct ids) at each forward (16
     int64s per rank each, not counted by ``CommCounter``).
     """
 

@@ -37,7 +37,7 @@ activation's shape and dtype and on ``dim`` / ``stride``
 another shape on one rank (another batch or sequence length), or a bad argument there, is a
 ``ValueError`` (or that rank's own error) on every rank, where gloo aborted the process, hung or
 summed misaligned elements; this runs in the collective debug mode only
-(``SHARDKIT_DEBUG_COLLECTIVES=1``). Cost there: one all-gather of two int64s per rank per call,
+(``SHARDKIT_DEBUG_COLLECTIVES=1``). Cost there: one all-gather of 16 int64s per rank per call,
 a control message that ``CommCounter`` does not count (a host synchronisation under NCCL); none
 at size 1, none with the mode off, and none in backward (a gradient has its forward
 activation's shape). The layers make that agreement (in the same mode) once per forward, on
@@ -87,7 +87,7 @@ def _agree(what: str, x, problem: Optional[BaseException], group, **arguments) -
     on ``x``'s shape and dtype and on ``arguments`` (``dim``, ``stride``), and each rank's local
     ``problem`` is raised on every rank (see
     :func:`~shardkit.nn.model_parallel.agreement.agree_on_input`: in the collective debug mode,
-    one all-gather of two int64s per rank, not counted by ``CommCounter``). At size 1 it
+    one all-gather of 16 int64s per rank, not counted by ``CommCounter``). At size 1 it
     raises ``problem`` alone."""
     group = _group(group)
     agree_on_input(what, {**activation_facts(x), **arguments}, problem, group,
