@@ -568,3 +568,34 @@ def _explicit_pair_after_a_stage_mesh():
 
 def test_explicit_pair_after_a_stage_mesh(nodes2x2):
     assert nodes2x2.run(_explicit_pair_after_a_stage_mesh) == [[0, 1]] * 2 + [[2, 3]] * 2
+
+
+def _full_optim_state_under_a_replicated_root(root: str):
+    """A FULL_SHARD unit (over the world) under a NO_SHARD or hybrid root: the root's replicas
+    skipped the gather while the inner unit's rows needed them, and under NO_SHARD each rank
+    named itself the recipient: rank 0 waited in the gather until the timeout."""
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 8), FSDP(nn.Linear(8, 4))),
+                 sharding_strategy=S[root])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4) + skdist.get_rank()).sum().backward()
+    optimizer.step()
+    everywhere = FSDP.full_optim_state_dict(model, optimizer, rank0_only=False)
+    rank0_only = FSDP.full_optim_state_dict(model, optimizer)
+    fairscale = model.gather_full_optim_state_dict(optimizer)
+
+    def same(full):
+        return full is not None and all(
+            torch.equal(full["state"][k][name], v)
+            for k, entry in everywhere["state"].items() for name, v in entry.items())
+    return {"rank0_only": same(rank0_only) if rank0_only else rank0_only,
+            "fairscale": same(fairscale) if fairscale is not None else None,
+            "states": len(everywhere["state"])}
+
+
+def test_full_optimizer_state_of_a_sharded_unit_under_a_replicated_root(nodes2x2):
+    for root in ("NO_SHARD", "HYBRID_SHARD"):
+        results = nodes2x2.run(_full_optim_state_under_a_replicated_root, root)
+        assert results[0] == {"rank0_only": True, "fairscale": True, "states": 4}, root
+        for r in results[1:]:
+            assert r == {"rank0_only": {}, "fairscale": None, "states": 4}, (root, r)

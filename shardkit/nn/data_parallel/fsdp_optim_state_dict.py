@@ -83,9 +83,10 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
             _check_gatherable(self, inner, call)
         except (TypeError, ValueError) as error:
             problem = error
-        full = self._gathered_optim_state(inner, call,
-                                          self._agreed_recipient(recipient_rank, problem, call),
-                                          agreed=True, source=optim)
+        recipient = self._agreed_recipient(recipient_rank, problem, call)
+        full = self._gathered_optim_state(inner, call, recipient, agreed=True, source=optim)
+        if recipient is not None:  # the dict is there alone (None elsewhere)
+            return full
         return full if self.rank == recipient_rank else None
 
     def _agree_gatherable(self, optim: torch.optim.Optimizer, call: str,
@@ -108,34 +109,59 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
 
     def _agreed_recipient(self, recipient_rank: int, problem: Optional[BaseException],
                           call: str) -> Optional[int]:
-        """The global rank of ``recipient_rank`` (a rank of this unit's group) where every rank
-        of the group names it, else ``None`` (every rank is to gather). ``problem`` (what this
-        rank found wrong with its arguments) is raised here, and every other rank of the group
-        raises a ValueError naming the ranks that had one. One all-gather of two integers a
-        rank over the group (a control message, not counted)."""
+        """The global rank of ``recipient_rank`` (a rank of this unit's group: each replica's
+        own, or, where a nested unit's group spans the replicas, the first replica's,
+        :meth:`_global_rank_in_first_replica`) where every rank of the group names it, else
+        ``None`` (every rank is to gather). ``problem`` (what this rank found wrong
+        with its arguments) is raised here, and every other rank of the group raises a
+        ValueError naming the ranks that had one. One all-gather of two integers a rank over
+        the group, and one over the replicas (control messages, not counted)."""
         named = skdist._agree_on_call(f"FSDP.{call}", problem, [recipient_rank],
                                       self.process_group, self._comm_device(),
                                       outcome="nothing was gathered")
-        if len({rank for rank, in named}) > 1:
-            return None
-        return skdist.get_global_rank(self.process_group, recipient_rank)
+        if not self._units_span_replicas():
+            recipient = skdist.get_global_rank(self.process_group, recipient_rank)
+        else:
+            recipient = self._global_rank_in_first_replica(recipient_rank)
+        return None if len({rank for rank, in named}) > 1 else recipient
+
+    def _units_span_replicas(self) -> bool:
+        """Whether some nested unit's group holds ranks outside this unit's group (a
+        FULL_SHARD unit under a NO_SHARD or hybrid root), so that gathering its rows needs
+        the other replicas. Local."""
+        own = set(skdist.group_ranks(self.process_group))
+        return any(not set(skdist.group_ranks(u.process_group)) <= own
+                   for u in self.sharded_units())
+
+    def _global_rank_in_first_replica(self, group_rank: int) -> int:
+        """The global rank of rank ``group_rank`` of this unit's group in the first replica
+        (hybrid sharding, NO_SHARD: the group of the replica group's rank 0), the same on every
+        rank of the model: the one rank that receives a gathered optimizer state, over the
+        root's group and over every nested unit's group (a FULL_SHARD unit under a NO_SHARD
+        or hybrid root spans the replicas). Without replicas, the group's own. Communication:
+        with replicas, one control all-gather of one integer a rank over them."""
+        own = skdist.get_global_rank(self.process_group, group_rank)
+        if self.replicate_group is None:
+            return own
+        rows = skdist.gather_control_rows("FSDP (the first replica's recipient)", [own],
+                                          self.replicate_group)
+        return rows[0][0]
 
     def _gathered_optim_state(self, optim: torch.optim.Optimizer, call: str,
-                              recipient: Optional[int], take_part: bool = True,
-                              agreed: bool = False, source=None) -> Optional[dict]:
+                              recipient: Optional[int], agreed: bool = False,
+                              source=None) -> Optional[dict]:
         """:meth:`gather_full_optim_state_dict`'s dict on the global rank ``recipient`` (on
-        every rank with ``None``: one all-gather per state tensor), ``None`` elsewhere;
-        without ``take_part`` (a replica whose groups do not hold the recipient), only the
-        checks. Unless the caller's ranks ``agreed`` on them already, the checks end in an
-        agreement over the group (:meth:`_agree_gatherable`). ``source``: the object whose
+        every rank with ``None``: one all-gather per state tensor), ``None`` elsewhere; each
+        parameter's rows are gathered over its unit's group where that group holds
+        ``recipient`` (a replica's own rows, the same as the first replica's, are not).
+        Unless the caller's ranks ``agreed`` on them already, the checks end in an agreement
+        over the group (:meth:`_agree_gatherable`). ``source``: the object whose
         ``state_dict()`` is gathered (a wrapper of ``optim``; default ``optim``), its own
         top-level entries kept."""
         if agreed:
             _check_gatherable(self, optim, call)
         else:
             self._agree_gatherable(optim, call)
-        if not take_part:
-            return None
         self._mark_units_in_their_own_world()
         ordered = [p for g in optim.param_groups for p in g["params"]]
         names = _state_dict_keys(self)
@@ -463,13 +489,13 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
         """``rank0_only``'s full optimizer state: on the model's first rank (rank 0 of its group
         in the first replica, the rank the loads take the dict from, as torch FSDP1's global
         rank 0), ``{}`` elsewhere. The other replicas (hybrid sharding, NO_SHARD), whose
-        state is the same, gather nothing. Parameters over other groups (experts) are
-        refused before (:func:`_refuse_experts_on_one_rank`). ``agreed``: the caller's ranks
-        agreed on the optimizer already (:meth:`_agree_gatherable`)."""
-        replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
-        full = self._gathered_optim_state(optim, call,
-                                          skdist.get_global_rank(self.process_group, 0),
-                                          take_part=replica == 0, agreed=agreed)
+        state is the same, gather nothing of the root's group; a nested unit whose group spans
+        the replicas (FULL_SHARD under a NO_SHARD or hybrid root) gathers over it. Parameters
+        over other groups (experts) are refused before (:func:`_refuse_experts_on_one_rank`).
+        ``agreed``: the caller's ranks agreed on the optimizer already
+        (:meth:`_agree_gatherable`)."""
+        full = self._gathered_optim_state(optim, call, self._global_rank_in_first_replica(0),
+                                          agreed=agreed)
         return {} if full is None else full
 
     def _mark_units_in_their_own_world(self) -> None:
@@ -512,7 +538,8 @@ class _PlainRoot:
 
 # the mixin's own, on the plain root's units
 for _method in ("_is_first_rank", "_rank0_only_optim_state", "_gathered_optim_state",
-                "_agreed_recipient", "_agree_gatherable",
+                "_agreed_recipient", "_global_rank_in_first_replica", "_units_span_replicas",
+                "_agree_gatherable",
                 "gather_full_optim_state_dict", "_shard_of_full",
                 "get_shard_from_optim_state_dict", "_param_layouts", "_param_unit_attr",
                 "_mark_units_in_their_own_world", "_sharded_params",
