@@ -243,3 +243,10 @@ def test_state_key_check_covers_deepspeed_adam(cls):
     good = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2, 2),
             "exp_avg_sq": torch.zeros(2, 2)}
     assert state_key_problem("OSS.load_state_dict", cls, hyper, p, 0, good, {}) is None
+
+
+def test_deepspeeds_submodule_paths():
+    # DeepSpeed scripts also import from deepspeed.ops.adam.cpu_adam / .fused_adam
+    from shardkit.ops.adam.cpu_adam import DeepSpeedCPUAdam as from_cpu_adam
+    from shardkit.ops.adam.fused_adam import FusedAdam as from_fused_adam
+    assert from_cpu_adam is DeepSpeedCPUAdam and from_fused_adam is FusedAdam
