@@ -254,13 +254,14 @@ def _tracked(work, group):
 
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
             kind: Optional[str] = None, counted: bool = True, checked: bool = True,
-            checked_shape: Optional[tuple] = None, detail: Optional[str] = None) -> None:
+            checked_shape: Optional[tuple] = None, detail: Optional[str] = None,
+            reduce_op=None) -> None:
     """Every collective wrapper calls this just before issuing its op: the collective debug
     mode (:mod:`shardkit.collective_check`, off by default) checks that every rank is about to
     issue the same op (with ``full``'s shape and dtype; for a byte count, ``checked_shape``
-    and ``dtype`` when given; and ``detail``, the op's reduction or root, e.g. ``"op=SUM"``,
-    ``"src=0"``), then each active :class:`CommCounter` records it. A rank outside ``group``
-    records nothing: torch skips the op there, so nothing is sent."""
+    and ``dtype`` when given; and the op's reduction, ``reduce_op``, and ``detail``, e.g.
+    its root, ``"src=0"``), then each active :class:`CommCounter` records it. A rank outside
+    ``group`` records nothing: torch skips the op there, so nothing is sent."""
     if _not_a_member(group):
         return
     # checked=False marks the second record of an op already recorded (its count after it ran)
@@ -272,6 +273,8 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
         else:
             shape = None if checked_shape is None else tuple(checked_shape)
             checked_dtype = None if checked_shape is None else dtype
+        if reduce_op is not None:  # named here only: naming it costs ~20 us a call
+            detail = _reduction(reduce_op) + ("" if detail is None else f", {detail}")
         collective_check.check_collective(op, shape, checked_dtype, group, detail=detail)
     if not (counted and comm_counter.counting()):
         return
@@ -316,7 +319,7 @@ def _reduction(op) -> str:
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """In-place all-reduce of ``tensor``. Wire: ``2(n-1)/n`` of its bytes."""
     _check_call("all_reduce", group, tensor, reduce_op=op)
-    _record("all_reduce", tensor, group, detail=_reduction(op))
+    _record("all_reduce", tensor, group, reduce_op=op)
     return _issued("all_reduce", group, dist.all_reduce, tensor, op=op, async_op=async_op)
 
 
@@ -352,7 +355,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     if input.numel() != output.numel() * n and not _not_a_member(group):
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; it must be "
                          f"world size {n} x output's {output.numel()} = {output.numel() * n}")
-    _record("reduce_scatter", input, group, detail=_reduction(op))
+    _record("reduce_scatter", input, group, reduce_op=op)
     output, input = _flat_when_contiguous(output, input, gathering=False)
     return _issued("reduce_scatter_tensor", group, _reduce_scatter_tensor, output, input, op=op,
                    async_op=async_op)
@@ -547,7 +550,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """Reduce ``tensor`` onto global rank ``dst``. Wire: ``(n-1)/n`` of its bytes."""
     _check_call("reduce", group, tensor, reduce_op=op, dst=dst)
-    _record("reduce", tensor, group, detail=f"{_reduction(op)}, dst={dst}")
+    _record("reduce", tensor, group, reduce_op=op, detail=f"dst={dst}")
     return _issued("reduce", group, dist.reduce, tensor, dst=dst, op=op, async_op=async_op)
 
 
