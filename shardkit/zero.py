@@ -192,13 +192,28 @@ class Init:
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    """DeepSpeed's hint that ``module``'s forward uses ``parameter`` of another module.
-    Nothing to do here: an FSDP unit gathers what its forward touches. Local."""
+    """DeepSpeed's hint that ``module``'s forward uses ``parameter`` of another module,
+    recorded on ``module``. At stage 3 an FSDP unit gathers its own parameters for its own
+    forward: where ``module`` and the module holding ``parameter`` end up in different units,
+    the root's first forward raises a RuntimeError naming both (that use would read this
+    rank's rows), rather than computing wrong values; inside one unit (or below stage 3)
+    nothing more is needed. Local."""
+    from shardkit.nn.data_parallel.fsdp_after_wrap_checks import EXTERNAL_PARAMETERS
+    if not isinstance(parameter, torch.Tensor):
+        raise TypeError(f"register_external_parameter(parameter={type(parameter).__name__}): "
+                        f"expected a parameter (a tensor) of another module")
+    registered = module.__dict__.setdefault(EXTERNAL_PARAMETERS, [])
+    if not any(p is parameter for p in registered):
+        registered.append(parameter)
 
 
 def unregister_external_parameter(module: torch.nn.Module,
                                   parameter: torch.nn.Parameter) -> None:
-    """Undo :func:`register_external_parameter` (nothing to undo). Local."""
+    """Undo :func:`register_external_parameter` for ``parameter`` (nothing when it was not
+    registered). Local."""
+    from shardkit.nn.data_parallel.fsdp_after_wrap_checks import EXTERNAL_PARAMETERS
+    registered = module.__dict__.get(EXTERNAL_PARAMETERS, [])
+    registered[:] = [p for p in registered if p is not parameter]
 
 
 class GatheredParameters:

@@ -459,3 +459,57 @@ def test_names_reachable_as_deepspeed_spells_them():
                  "safe_set_full_grad"):
         assert callable(getattr(utils, name)), name
     assert shardkit.zero.GatheredParameters and shardkit.zero.Init
+
+
+class _UsesItsNeighboursScale(nn.Module):
+    """A block whose forward multiplies by other blocks' ``scale`` (registered, as DeepSpeed
+    asks, with ``zero.register_external_parameter``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.others = []
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        for other in self.others:
+            h = h * other.scale
+        return h
+
+
+class _ExternalUseNet(nn.Module):
+    _no_split_modules = ["_UsesItsNeighboursScale"]
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_UsesItsNeighboursScale(), _UsesItsNeighboursScale()])
+        self.blocks[1].others.append(self.blocks[0])
+        shardkit.zero.register_external_parameter(self.blocks[1], self.blocks[0].scale)
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def _external_parameter(stage: int):
+    """Stage 3: block 1 in its own unit read block 0's ``scale`` as this rank's shard (rank 1:
+    zero padding, an output of zeros, silently); a RuntimeError naming both now. Below stage 3
+    the registration changes nothing."""
+    torch.manual_seed(0)
+    model, x = _ExternalUseNet(), torch.ones(1, 4)
+    expected = model(x).detach()
+    engine, *_ = shardkit.initialize(model=model, config={
+        "train_batch_size": distributed.get_world_size(), "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        return torch.allclose(engine(x).detach(), expected)
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_a_registered_external_parameter_of_another_unit_is_refused(world2):
+    assert world2.run(_external_parameter, 2) == [True, True]
+    for message in world2.run(_external_parameter, 3):
+        assert "blocks.1 (_UsesItsNeighboursScale) was registered to use blocks.0.scale" in \
+            message, message
+        assert "Put both modules in one unit" in message

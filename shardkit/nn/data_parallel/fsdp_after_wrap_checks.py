@@ -76,6 +76,54 @@ def _refuse_parameters_held_outside(root: FullyShardedDataParallel) -> None:
                 f"own, or untie the parameter")
 
 
+# where shardkit.zero.register_external_parameter records, on a module, the parameters of
+# other modules its forward uses (DeepSpeed's hint)
+EXTERNAL_PARAMETERS = "_shardkit_external_parameters"
+
+
+def _refuse_external_parameters_of_other_units(root: FullyShardedDataParallel) -> None:
+    """At a root's first forward: a ``RuntimeError`` when a module's forward is registered
+    (``shardkit.zero.register_external_parameter``) to use a parameter that another unit
+    shards. A unit gathers its own parameters for its forward only, so that module would
+    compute with this rank's row block (zero padding on every rank but 0 for a one-row
+    parameter, silently) and the gradient would miss its reduction. Every rank has the same
+    modules, so every rank raises, before any collective. Local; one walk over the units'
+    modules."""
+    for unit in root.sharded_units():
+        for name, module in _named_unit_modules(unit.module, IgnoredStates()):
+            for param in getattr(module, EXTERNAL_PARAMETERS, ()):
+                owner = unit_holding(param)
+                if owner is None or owner is unit:
+                    continue
+                where = ".".join(filter(None, [_unit_name(root, unit), clean_name(name)]))
+                held = ".".join(filter(None, [_unit_name(root, owner),
+                                              _parameter_name(owner, param)]))
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: {where or '(the root)'} "
+                    f"({type(module).__name__}) was registered to use {held}, a parameter "
+                    f"of the unit around {type(owner.module).__name__} "
+                    f"(register_external_parameter); a unit "
+                    f"gathers its parameters for its own forward only, so this module would "
+                    f"compute with this rank's rows of it (wrong values, and a gradient never "
+                    f"reduced). Put both modules in one unit: wrap the lowest module holding "
+                    f"both, without wrapping either on its own (a wrap policy or "
+                    f"_no_split_modules naming their parent)")
+
+
+def _parameter_name(unit, param: torch.Tensor) -> str:
+    """``param``'s name inside ``unit``'s module (module path and attribute). Local."""
+    for name, module in _named_unit_modules(unit.module, IgnoredStates()):
+        for attr, p in module._parameters.items():
+            if p is param:
+                return clean_name(f"{name}.{attr}" if name else attr)
+    return "a parameter"
+
+
+def _unit_name(root: FullyShardedDataParallel, unit) -> str:
+    """``unit``'s module path in ``root`` without FSDP's levels. Local."""
+    return next((clean_name(n) for n, m in root.named_modules() if m is unit), "")
+
+
 def _parameter_registered_after_wrapping(unit: FullyShardedDataParallel) -> Optional[tuple]:
     """``(name, module, attribute)`` of the first parameter held by ``unit`` itself or by a
     module of ``unit`` (not inside an inner unit or an ignored module) where the unit did not

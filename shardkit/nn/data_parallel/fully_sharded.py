@@ -159,7 +159,8 @@ from shardkit.nn.data_parallel.flat_param import (SWAPPED_TENSOR_ADVICE, FlatPar
                                                   refuse_gradients_of_gradients)
 from shardkit.nn.data_parallel.fsdp_after_wrap_checks import (
     _TO_EMPTY_AFTER_WRAPPING, _parameter_registered_after_wrapping, _refuse_changing_shards,
-    _refuse_parameters_held_outside, _refusing_shards_as_full_state, _registered_after_wrapping)
+    _refuse_external_parameters_of_other_units, _refuse_parameters_held_outside,
+    _refusing_shards_as_full_state, _registered_after_wrapping)
 from shardkit.nn.data_parallel.fsdp_arguments import (IgnoredStates, check_bool,
                                                       check_compute_device,
                                                       check_divide_factor,
@@ -998,6 +999,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
         if self._is_root is not None:
             return
         _refuse_parameters_held_outside(self)  # before anything is set: raised at each forward
+        _refuse_external_parameters_of_other_units(self)
         self._is_root = True
         for unit in self.sharded_units():
             object.__setattr__(unit, "_root", self)  # not a submodule: no cycle in the tree
