@@ -235,6 +235,9 @@ class GatheredParameters:
     FSDP) are left alone, as DeepSpeed leaves them: at stages 0-2 the block does nothing, and
     an edit must then be made on every rank. ``enabled=False`` does nothing. ``fwd_module`` is
     accepted (DeepSpeed registers external parameters with it; FSDP needs no such hint).
+    A forward run inside the block under fp16 / bf16 at stage 3 needs every parameter of the
+    model passed (``engine.module.parameters()``, as for generation): units summoned in fp32
+    would meet units gathered in the 16-bit dtype (a RuntimeError says so).
 
     Inside a unit's forward (a module's ``forward`` or a forward hook) ``module.weight`` reads
     as a view of the unit's gathered copy; passing it counts as passing the parameter, and

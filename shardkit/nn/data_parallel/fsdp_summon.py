@@ -123,7 +123,10 @@ def _check_summoned_alike(root: "FullyShardedDataParallel") -> None:
         raise RuntimeError("FullyShardedDataParallel: a forward inside summon_full_params() "
                            "under mixed precision needs every unit summoned (fp32), so that no "
                            "unit computes in the compute dtype beside them; call "
-                           "summon_full_params(recurse=True) on the outermost unit")
+                           "summon_full_params(recurse=True) on the outermost unit (with "
+                           "shardkit.zero.GatheredParameters, which summons the units of the "
+                           "parameters it is given: pass every parameter, "
+                           "engine.module.parameters())")
 
 
 def _refuse_backward_while_summoned(grad):
