@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from shardkit.config import ConfigError, EngineConfig
+from shardkit.engine_optimizer_recipe import _is_named
 from shardkit.recipes import Composition, OptimizerRecipe, check_composable, compose
 
 
@@ -112,10 +113,11 @@ def _optimizer_params(recipe: OptimizerRecipe) -> Optional[list]:
     tensors = []
     for group in groups:
         params = group["params"] if isinstance(group, Mapping) else group
-        params = [params] if isinstance(params, torch.Tensor) else params
-        # torch's optimizers also take (name, parameter) pairs (model.named_parameters())
-        tensors.extend(p[1] if isinstance(p, tuple) else p for p in params)
-    return tensors
+        # torch's optimizers also take (name, parameter) pairs (model.named_parameters()),
+        # as the groups' lists or as the list of groups itself
+        params = [params] if isinstance(params, torch.Tensor) or _is_named(params) else params
+        tensors.extend(p[1] if _is_named(p) else p for p in params)
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _refuse_parameters_outside_model(model: nn.Module,

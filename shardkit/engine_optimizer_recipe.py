@@ -21,6 +21,12 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters,
     if cfg.optimizer is None and optimizer is None:
         return None
     if cfg.optimizer is not None:
+        if model_parameters is not None:
+            model_parameters = list(model_parameters)
+            if model_parameters and all(_is_named(p) for p in model_parameters):
+                # model.named_parameters(): one group of (name, parameter) pairs, as torch's
+                # optimizers read such a list
+                model_parameters = [{"params": model_parameters}]
         groups = None if model_parameters is None else [
             dict(g, params=list(g["params"])) if isinstance(g, Mapping)
             and not isinstance(g["params"], torch.Tensor) else g for g in model_parameters]
@@ -33,6 +39,11 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters,
         if cfg.zero.stage == 3 and optimizer.state:
             return _recipe_rebuilt_on_shards(optimizer)
     return OptimizerRecipe.of(optimizer)
+
+
+def _is_named(item) -> bool:
+    """Whether ``item`` is a ``(name, parameter)`` pair. Local."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
 
 
 def _built_by_callable(factory, params, cfg: EngineConfig) -> torch.optim.Optimizer:

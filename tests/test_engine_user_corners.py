@@ -518,3 +518,28 @@ def test_an_optimizer_over_tensors_outside_the_model_is_refused_at_every_stage(w
             assert "holds 6 of 6 tensors that are not parameters of model" in message, message
         for message in world2.run(_optimizer_of_another_model, stage, "model_parameters"):
             assert "holds 1 of 3 tensors that are not parameters of model" in message, message
+
+
+def _flat_named_parameters(stage: int):
+    """``model_parameters=model.named_parameters()`` (a flat list of pairs, as torch's
+    optimizers take): every parameter trains (the pairs' names were read as tensors outside
+    the model, and initialize failed on their missing shape)."""
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "steps_per_print": 1000, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = shardkit.initialize(model=model, config=config,
+                                     model_parameters=model.named_parameters())
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    rank = distributed.get_rank()
+    x, y = _batch(0, distributed.get_world_size())
+    engine.backward(F.mse_loss(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+    engine.step()
+    after = engine.module_state_dict()
+    return sorted(k for k in before if not torch.equal(before[k], after[k]))
+
+
+def test_flat_named_parameters_train_every_parameter(world2):
+    names = [n for n, _ in _model().named_parameters()]
+    for stage in (0, 1, 2, 3):
+        for moved in world2.run(_flat_named_parameters, stage):
+            assert moved == sorted(names), stage

@@ -118,7 +118,8 @@ def choose_fused(optim_class: type, kwargs: dict, groups: list[dict]) -> bool:
         return False
     if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
         return False
-    params = [p for g in groups for p in g["params"]]
+    # torch's optimizers also take (name, parameter) pairs (model.named_parameters())
+    params = [p[1] if isinstance(p, tuple) else p for g in groups for p in g["params"]]
     return all_fp32(params) and all(p.device.type in ("cpu", "cuda") for p in params)
 
 
