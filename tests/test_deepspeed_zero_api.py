@@ -513,3 +513,41 @@ def test_a_registered_external_parameter_of_another_unit_is_refused(world2):
         assert "blocks.1 (_UsesItsNeighboursScale) was registered to use blocks.0.scale" in \
             message, message
         assert "Put both modules in one unit" in message
+
+
+class _ScaledByItsParent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(3.0))
+        self.child = _UsesItsNeighboursScale()
+        self.child.others.append(self)
+        shardkit.zero.register_external_parameter(self.child, self.scale)
+
+    def forward(self, x):
+        return self.child(x)
+
+
+def _external_parameter_of_an_enclosing_unit():
+    """The parent's parameter, used inside the child's own unit: the parent's unit encloses
+    it and stays gathered through the child's forward, so it is not refused."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    model, x = _ScaledByItsParent(), torch.ones(1, 4)
+    reference = copy.deepcopy(model)
+    expected = reference(x)
+    expected.sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    model.child = FSDP(model.child)
+    wrapped = FSDP(model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    out = wrapped(x)
+    out.sum().backward()
+    optimizer.step()
+    trained = wrapped.state_dict()
+    return (torch.allclose(out.detach(), expected.detach()),
+            all(torch.allclose(trained[k], v) for k, v in reference.state_dict().items()))
+
+
+def test_a_registered_parameter_of_an_enclosing_unit_is_used_as_is(world2):
+    # the same output, and one SGD step later the same weights (the parent's scale included)
+    assert world2.run(_external_parameter_of_an_enclosing_unit) == [(True, True)] * 2

@@ -83,8 +83,10 @@ EXTERNAL_PARAMETERS = "_shardkit_external_parameters"
 
 def _refuse_external_parameters_of_other_units(root: FullyShardedDataParallel) -> None:
     """At a root's first forward: a ``RuntimeError`` when a module's forward is registered
-    (``shardkit.zero.register_external_parameter``) to use a parameter that another unit
-    shards. A unit gathers its own parameters for its forward only, so that module would
+    (``shardkit.zero.register_external_parameter``, before that forward) to use a parameter
+    that another unit shards, one that does not enclose the module's (an enclosing unit's
+    parameters stay gathered through the forwards of the units inside it). A unit gathers its
+    own parameters for its forward only, so that module would
     compute with this rank's row block (zero padding on every rank but 0 for a one-row
     parameter, silently) and the gradient would miss its reduction. Every rank has the same
     modules, so every rank raises, before any collective. Local; one walk over the units'
@@ -93,8 +95,8 @@ def _refuse_external_parameters_of_other_units(root: FullyShardedDataParallel) -
         for name, module in _named_unit_modules(unit.module, IgnoredStates()):
             for param in getattr(module, EXTERNAL_PARAMETERS, ()):
                 owner = unit_holding(param)
-                if owner is None or owner is unit:
-                    continue
+                if owner is None or any(m is unit for m in owner.modules()):
+                    continue  # its own, or an enclosing unit's: gathered for this forward
                 where = ".".join(filter(None, [_unit_name(root, unit), clean_name(name)]))
                 held = ".".join(filter(None, [_unit_name(root, owner),
                                               _parameter_name(owner, param)]))
