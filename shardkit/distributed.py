@@ -877,7 +877,7 @@ def _agree_on_call(what: str, problem, facts: Sequence[int], group, device,
     return [facts_of_rank for _, *facts_of_rank in rows]
 
 
-def _gather_rows(what: str, row: Sequence[int], group, device) -> list:
+def _gather_raw_rows(what: str, row: Sequence[int], group, device) -> list:
     """Every rank's ``row`` (int64s, of one length on every rank) in group-rank order: one
     all-gather on ``device``, a control message that :class:`CommCounter` does not count."""
     _require_process_group(what)
@@ -909,25 +909,34 @@ def gather_control_rows(what: str, row: Sequence[int], group=None,
                         kind: Optional[str] = None) -> list:
     """Every rank's ``row`` of ints, in group-rank order: the small agreement a wrapper makes
     before a collective step (which ranks offloaded, which call each rank is in). ``kind``
-    (default ``what``) names the agreement: ranks of the group in agreements of different
-    kinds, or with rows of different lengths, raise a RuntimeError on every rank naming where
-    each group rank is, before anything else is sent. ``what`` names the call in errors.
+    (default ``what``; the same on every rank) names the agreement: ranks of the group in
+    agreements of different kinds, or with rows of different lengths, raise a RuntimeError
+    on every rank naming where each group rank is, before anything else is sent. ``what``
+    names the call in errors.
 
     Communication: one all-gather of :data:`CONTROL_ROW_INTS` int64s a rank (128 bytes) on
     the group's control device (CUDA for NCCL, else the CPU: a host sync on an accelerator);
     a row longer than ``CONTROL_ROW_INTS - 2`` takes a second all-gather of its own length.
     Control messages: :class:`CommCounter` does not count them."""
+    return _gather_rows(what, row, group, _control_device(group), kind)
+
+
+def _gather_rows(what: str, row: Sequence[int], group, device,
+                 kind: Optional[str] = None) -> list:
+    """:func:`gather_control_rows` on ``device``: every control exchange of shardkit (the
+    wrappers' agreements and the argument agreements of :mod:`shardkit.distributed`'s own
+    collectives) goes through it, so any two of them that meet are told apart."""
     kind = control_kind(what if kind is None else kind)
     code = zlib.crc32(kind.encode()) & 0x7FFFFFFF
-    row, device = [int(x) for x in row], _control_device(group)
+    row = [int(x) for x in row]
     fits = len(row) <= CONTROL_ROW_INTS - 2
     payload = row if fits else []
     padded = [code, len(row), *payload] + [0] * (CONTROL_ROW_INTS - 2 - len(payload))
-    rows = _gather_rows(what, padded, group, device)
+    rows = _gather_raw_rows(what, padded, group, device)
     _refuse_different_control_calls(what, rows)
     if fits:
         return [r[2:2 + len(row)] for r in rows]
-    return _gather_rows(what, row, group, device)
+    return _gather_raw_rows(what, row, group, device)
 
 
 def _refuse_different_control_calls(what: str, rows: list) -> None:

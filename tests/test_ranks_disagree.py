@@ -333,3 +333,34 @@ def test_debug_mode_counts_start_again_in_a_new_default_group(world2):
     the re-formed job fresh was "out of step" on every collective (a false
     CollectiveMismatchError on every rank)."""
     assert world2.run(_debug_mode_in_a_new_default_group) == ["no error"] * 2
+
+
+def _oss_step_beside_a_checked_gather():
+    """Rank 0 in OSS's step agreement (a wrapper's control row), rank 1 in the argument
+    agreement of ``shardkit.distributed.gather`` (1 + 3 ints a rank before): rows of two
+    sizes, which gloo aborted on; both now carry their kind and one size."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = OSS(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    try:
+        if skdist.get_rank() == 0:
+            optimizer.step()
+        else:
+            skdist.gather(torch.ones(2), None, dst=0)
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        message = "no error"
+    skdist.barrier()  # nothing else was sent: the ranks are still in step
+    return message
+
+
+def test_a_wrapper_agreement_beside_a_collectives_argument_check_names_both(world2):
+    messages = world2.run(_oss_step_beside_a_checked_gather)
+    for message in messages:
+        assert "the ranks of the group are not in the same collective call" in message, message
+        assert "group rank(s) [0] in an OSS call's agreement" in message
+        assert "group rank(s) [1] in " in message
+    # rank 1 names both (rank 0 has made no gather yet to name it by)
+    assert "group rank(s) [1] in shardkit.distributed.gather" in messages[1]
