@@ -864,6 +864,7 @@ def _bad_losses():
     outcomes = []
     for loss_fn in (lambda out, y: nn.functional.mse_loss(out, y, reduction="none"),
                     lambda out, y: nn.functional.mse_loss(out, y).item(),
+                    lambda out, y: nn.functional.mse_loss(out, y).detach(),
                     nn.functional.mse_loss):
         schedule = Schedule1F1B(stage, 4, loss_fn)
         x, y = _batch(0)
@@ -876,10 +877,12 @@ def _bad_losses():
 
 
 def test_a_loss_that_is_not_one_element_is_one_clear_error_on_every_rank(world2):
-    for vector, number, good in world2.run(_bad_losses):
+    for vector, number, detached, good in world2.run(_bad_losses):
         assert "stage 1 (the last), micro-batch 0: loss_fn returned a tensor of shape (4, 4); " \
             "expected a one-element tensor" in vector
         assert "loss_fn returned a float; expected a one-element tensor" in number
+        # a detached loss trained nothing, silently (torch's loss.backward() refuses it)
+        assert "loss_fn returned a tensor that does not require grad" in detached, detached
         assert good == "ok"
 
 

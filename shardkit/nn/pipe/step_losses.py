@@ -114,6 +114,14 @@ class StepLosses:
                                         f"tensor (the micro-batch's loss, e.g. "
                                         f"reduction='mean', or 'sum' with scale_grads=False)")
             return None
+        if torch.is_grad_enabled() and not loss.requires_grad and _needs_grad(output):
+            # as loss.backward() refuses it in one process: every step would train nothing
+            self._fail_at_last_stage(i, "loss_fn returned a tensor that does not require grad "
+                                        "(detached, computed under torch.no_grad(), or rebuilt "
+                                        "from .item()) from an output that does: backward "
+                                        "would train nothing; return the loss computed from "
+                                        "the output")
+            return None
         return loss
 
     def _check_loss_count(self, watch: LossCountWatch, i: int, record, loss) -> None:
@@ -169,3 +177,8 @@ class StepLosses:
             return total.mean()
         return sum(loss / d for loss, d in zip(self._losses, self._loss_divisors)
                    if d != float("inf"))
+
+
+def _needs_grad(output) -> bool:
+    """Whether some tensor of ``output`` requires grad (the step's graph reaches it). Local."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
