@@ -588,14 +588,31 @@ def _full_optim_state_under_a_replicated_root(root: str):
         return full is not None and all(
             torch.equal(full["state"][k][name], v)
             for k, entry in everywhere["state"].items() for name, v in entry.items())
+    # recipients that differ inside one replica only (ranks 2 and 3 name 0 and 1): every
+    # replica must then gather to every rank (one replica gathering to one rank hung)
+    try:
+        mixed = model.gather_full_optim_state_dict(
+            optimizer, recipient_rank=1 if skdist.get_rank() == 3 else 0)
+    except ValueError as error:  # NO_SHARD: a group of one rank has no rank 1
+        mixed = str(error)
     return {"rank0_only": same(rank0_only) if rank0_only else rank0_only,
             "fairscale": same(fairscale) if fairscale is not None else None,
+            "mixed": same(mixed) if isinstance(mixed, dict) else mixed,
             "states": len(everywhere["state"])}
 
 
 def test_full_optimizer_state_of_a_sharded_unit_under_a_replicated_root(nodes2x2):
     for root in ("NO_SHARD", "HYBRID_SHARD"):
         results = nodes2x2.run(_full_optim_state_under_a_replicated_root, root)
-        assert results[0] == {"rank0_only": True, "fairscale": True, "states": 4}, root
+        assert {k: v for k, v in results[0].items() if k != "mixed"} == \
+            {"rank0_only": True, "fairscale": True, "states": 4}, root
         for r in results[1:]:
-            assert r == {"rank0_only": {}, "fairscale": None, "states": 4}, (root, r)
+            assert r["rank0_only"] == {} and r["fairscale"] is None, (root, r)
+            assert r["states"] == 4, (root, r)
+        mixed = [r["mixed"] for r in results]
+        if root == "HYBRID_SHARD":  # each rank whose group rank is its recipient holds it
+            assert mixed == [True, None, True, True], mixed
+        else:  # rank 3's recipient_rank=1 does not exist: refused on every rank, no hang
+            assert "valid ranks are 0..0" in mixed[3], mixed
+            assert all("ranks [3] (other replicas) were given arguments" in m
+                       for m in mixed[:3]), mixed

@@ -116,14 +116,19 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
         with its arguments) is raised here, and every other rank of the group raises a
         ValueError naming the ranks that had one. One all-gather of two integers a rank over
         the group, and one over the replicas (control messages, not counted)."""
-        named = skdist._agree_on_call(f"FSDP.{call}", problem, [recipient_rank],
-                                      self.process_group, self._comm_device(),
-                                      outcome="nothing was gathered")
-        if not self._units_span_replicas():
-            recipient = skdist.get_global_rank(self.process_group, recipient_rank)
-        else:
-            recipient = self._global_rank_in_first_replica(recipient_rank)
-        return None if len({rank for rank, in named}) > 1 else recipient
+        spans = self._units_span_replicas()  # then decided alike over the replicas too
+        try:
+            named = skdist._agree_on_call(f"FSDP.{call}", problem, [recipient_rank],
+                                          self.process_group, self._comm_device(),
+                                          outcome="nothing was gathered")
+        except (TypeError, ValueError):
+            if spans:  # the other replicas learn of it in their agreement below
+                self._global_rank_in_first_replica(0, failed=True)
+            raise
+        differs = len({rank for rank, in named}) > 1
+        if spans:
+            return self._global_rank_in_first_replica(recipient_rank, differs)
+        return None if differs else skdist.get_global_rank(self.process_group, recipient_rank)
 
     def _units_span_replicas(self) -> bool:
         """Whether some nested unit's group holds ranks outside this unit's group (a
@@ -133,19 +138,29 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
         return any(not set(skdist.group_ranks(u.process_group)) <= own
                    for u in self.sharded_units())
 
-    def _global_rank_in_first_replica(self, group_rank: int) -> int:
+    def _global_rank_in_first_replica(self, group_rank: int, differs: bool = False,
+                                      failed: bool = False) -> Optional[int]:
         """The global rank of rank ``group_rank`` of this unit's group in the first replica
         (hybrid sharding, NO_SHARD: the group of the replica group's rank 0), the same on every
         rank of the model: the one rank that receives a gathered optimizer state, over the
         root's group and over every nested unit's group (a FULL_SHARD unit under a NO_SHARD
-        or hybrid root spans the replicas). Without replicas, the group's own. Communication:
-        with replicas, one control all-gather of one integer a rank over them."""
+        or hybrid root spans the replicas). Without replicas, the group's own. ``None`` on
+        every rank when some replica's ranks named different recipients (``differs`` there):
+        every rank then gathers. ``failed``: this rank's group refused its arguments (the caller
+        raises that); the other replicas then raise a ValueError naming the ranks.
+        Communication: with replicas, one control all-gather of three integers a rank over
+        them."""
         own = skdist.get_global_rank(self.process_group, group_rank)
         if self.replicate_group is None:
-            return own
-        rows = skdist.gather_control_rows("FSDP (the first replica's recipient)", [own],
-                                          self.replicate_group)
-        return rows[0][0]
+            return None if differs else own
+        rows = skdist.gather_control_rows("FSDP (the first replica's recipient)",
+                                          [int(differs), own, int(failed)], self.replicate_group)
+        refused = [skdist.group_ranks(self.replicate_group)[r]
+                   for r, (*_, bad) in enumerate(rows) if bad]
+        if refused and not failed:
+            raise ValueError(f"FSDP: the ranks {refused} (other replicas) were given arguments "
+                             f"that do not fit (their error says which); nothing was gathered")
+        return None if any(flag for flag, *_ in rows) else rows[0][1]
 
     def _gathered_optim_state(self, optim: torch.optim.Optimizer, call: str,
                               recipient: Optional[int], agreed: bool = False,
