@@ -266,15 +266,21 @@ def parse_args(argv):
                    help="comma-separated configuration names")
     p.add_argument("--out", default=None, help="output folder")
     args = p.parse_args(argv)
-    args.repeats = args.repeats or (2 if args.quick else 12)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 12)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    args.steps = args.steps or 1
+    args.steps = args.steps if args.steps is not None else 1
     args.out = args.out or ("out/bench-quick" if args.quick else "benchmarks/results")
     bad = [c for c in args.configs.split(",") if c not in CONFIG_BY_NAME]
     bad_w = [w for w in args.workloads.split(",") if w not in workloads(args.quick)]
-    if bad or bad_w or args.repeats < 1 or args.steps < 1 or args.warmup < 0:
-        p.error(f"unknown configs {bad} (valid: {', '.join(CONFIG_BY_NAME)}) or workloads "
-                f"{bad_w} (valid: gpt, mlp), or a non-positive --repeats/--steps")
+    if bad:
+        p.error(f"--configs: unknown {bad} (valid: {', '.join(CONFIG_BY_NAME)})")
+    if bad_w:
+        p.error(f"--workloads: unknown {bad_w} (valid: gpt, mlp)")
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
+        p.error(f"--repeats {args.repeats} / --steps {args.steps} / --warmup {args.warmup}: "
+                f"rounds and timed steps must be >= 1, warm-up steps >= 0")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out}: a file is there; give a folder (it is created if missing)")
     return args
 
 

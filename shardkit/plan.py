@@ -749,6 +749,10 @@ def _check_chart_path(path: str) -> None:
     if not path or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise PlanError(f"--chart {path!r}: the folder {folder!r} does not exist or is not "
                         f"writable; give a .png path in an existing folder")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix and suffix not in (".png", ".svg", ".pdf"):
+        raise PlanError(f"--chart {path!r}: {suffix} is not an image format the chart is "
+                        f"written in; give a .png, .svg or .pdf path")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

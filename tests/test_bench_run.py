@@ -102,3 +102,25 @@ def test_phases_refuse_a_pipeline_configuration_naming_the_valid_ones(capsys):
         bench_phases.main(["--configs", "torch_pipelining"])
     assert "not timed here; valid (data-parallel configurations): torch_ddp" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "--repeats 0"),  # 0 became the default and a 12-round run started
+    (["--steps", "0"], "--steps 0"),
+    (["--workloads", "foo"], "--workloads: unknown ['foo']"),
+    (["--configs", "nope"], "--configs: unknown ['nope']"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(capsys, argv, message):
+    from benchmarks import run
+    with pytest.raises(SystemExit) as exit_info:
+        run.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_out_naming_a_file_exits_2(capsys, tmp_path):
+    from benchmarks import run
+    path = tmp_path / "afile"
+    path.write_text("")
+    with pytest.raises(SystemExit) as exit_info:  # a FileExistsError traceback before
+        run.parse_args(["--quick", "--out", str(path)])
+    assert exit_info.value.code == 2 and "a file is there" in capsys.readouterr().err

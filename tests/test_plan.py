@@ -156,6 +156,8 @@ def test_plan_matches_what_the_demo_measures_for_reference_gpt(capsys):
     (["--params", "1e9", "--world-size", "0"], "--world-size 0"),
     (["--params", "1e9", "--world-size", "8", "--optimizer", "lamb"], "'lamb' is unknown"),
     (["--world-size", "8"], "exactly one of --params"),
+    (["--params", "1e9", "--world-size", "2", "--chart", "out.txt"],
+     ".txt is not an image format"),  # a matplotlib traceback after the plan, exit 1
     (["--model", "no_such_pkg.models:build", "--world-size", "2"],
      "module 'no_such_pkg.models' does not import"),
     (["--model", "shardkit.demo", "--world-size", "2"], "not of the form"),

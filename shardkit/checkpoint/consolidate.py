@@ -122,10 +122,14 @@ def save_hf_pretrained(state: dict, hf_config: str, output_dir: str,
     if not os.path.exists(hf_config):
         raise CheckpointError(f"consolidate --hf-config {hf_config}: no such file or directory")
     config_dir = hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config) or "."
-    if os.path.isfile(hf_config) and os.path.basename(hf_config) != "config.json":
-        config = transformers.AutoConfig.from_pretrained(hf_config, local_files_only=True)
-    else:
-        config = transformers.AutoConfig.from_pretrained(config_dir, local_files_only=True)
+    source = hf_config if os.path.isfile(hf_config) and \
+        os.path.basename(hf_config) != "config.json" else config_dir
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"consolidate --hf-config {hf_config}: no usable Hugging Face "
+                              f"config there ({e}); give the folder holding the model's "
+                              f"config.json, or that file") from e
     name = model_class or ((getattr(config, "architectures", None) or [None])[0])
     if name is None:
         model = transformers.AutoModelForCausalLM.from_config(config)

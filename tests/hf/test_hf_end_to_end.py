@@ -219,3 +219,13 @@ def test_consolidate_hf_errors(matrix, tmp_path, capsys):
     code = shardkit_main(["consolidate", ckpt, str(tmp_path / "out"), "--hf-config",
                           str(tmp_path / "llama"), "--hf-model-class", "NoSuchModel"])
     assert code == 2 and "transformers has no class" in capsys.readouterr().err
+    # a folder without config.json, and a config.json that is not JSON: a transformers
+    # traceback and exit 1 before
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    for folder in ("empty", "broken"):
+        code = shardkit_main(["consolidate", ckpt, str(tmp_path / "out"), "--hf-config",
+                              str(tmp_path / folder)])
+        err = capsys.readouterr().err
+        assert code == 2 and "no usable Hugging Face config there" in err, err
