@@ -278,6 +278,12 @@ def test_chart_draws_every_stage_with_its_figures(capsys, tmp_path):
     assert states == pytest.approx([plan.zero_model_state_bytes(7.5e9, 64, s, mixed) / 1e9
                                     for s in range(4)])
     assert states[0] == pytest.approx(120.0) and states[3] == pytest.approx(1.875)
+    # a path without a suffix: the PNG is written at path + ".png", and the line says so
+    # (it named the path without the suffix, where nothing was)
+    code, out, _ = _plan(capsys, "--params", "1e9", "--world-size", "2", "--chart",
+                         str(tmp_path / "bare"))
+    assert code == 0 and f"chart: {tmp_path / 'bare.png'} " in out
+    assert (tmp_path / "bare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_model_state_bytes_of_sparse_gradients_and_meta_parameters():

@@ -35,6 +35,12 @@ def chart_json_path(path: str) -> str:
     return root + ".chart.json"
 
 
+def _with_suffix(path: str) -> str:
+    """``path``, with ``.png`` added when it has no suffix (matplotlib saves a PNG there under
+    that name, so the line naming the file must say it). Local."""
+    return path if os.path.splitext(path)[1] else path + ".png"
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -69,6 +75,7 @@ def write_bar_chart(path: str, title: str, groups: list) -> str:
         ax.set_yticklabels([])
     fig.suptitle(title)
     fig.tight_layout()
+    path = _with_suffix(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     with open(chart_json_path(path), "w") as f:
@@ -91,6 +98,7 @@ def write_line_chart(path: str, title: str, curves: dict, xlabel: str, ylabel: s
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
+    path = _with_suffix(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     with open(chart_json_path(path), "w") as f:
