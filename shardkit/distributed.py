@@ -901,8 +901,16 @@ _CONTROL_KINDS: dict = {}  # kind code -> the kind's name, for the mismatch mess
 def control_kind(name: str) -> str:
     """``name``, registered as a kind of :func:`gather_control_rows` agreement, so that a rank
     that has not made one yet can name it when its peers are in it. Local."""
-    _CONTROL_KINDS[zlib.crc32(name.encode()) & 0x7FFFFFFF] = name
+    _kind_code(name)
     return name
+
+
+def _kind_code(name: str) -> int:
+    """The code a control row carries for the kind ``name`` (registered for the mismatch
+    message). Local."""
+    code = zlib.crc32(name.encode()) & 0x7FFFFFFF
+    _CONTROL_KINDS[code] = name
+    return code
 
 
 def gather_control_rows(what: str, row: Sequence[int], group=None,
@@ -926,8 +934,7 @@ def _gather_rows(what: str, row: Sequence[int], group, device,
     """:func:`gather_control_rows` on ``device``: every control exchange of shardkit (the
     wrappers' agreements and the argument agreements of :mod:`shardkit.distributed`'s own
     collectives) goes through it, so any two of them that meet are told apart."""
-    kind = control_kind(what if kind is None else kind)
-    code = zlib.crc32(kind.encode()) & 0x7FFFFFFF
+    code = _kind_code(what if kind is None else kind)
     row = [int(x) for x in row]
     fits = len(row) <= CONTROL_ROW_INTS - 2
     payload = row if fits else []

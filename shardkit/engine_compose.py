@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from shardkit.config import ConfigError, EngineConfig
-from shardkit.engine_optimizer_recipe import _is_named
+from shardkit.optim.local_step import is_named_parameter
 from shardkit.recipes import Composition, OptimizerRecipe, check_composable, compose
 
 
@@ -113,11 +113,11 @@ def _optimizer_params(recipe: OptimizerRecipe) -> Optional[list]:
     tensors = []
     for group in groups:
         params = group["params"] if isinstance(group, Mapping) else group
-        # torch's optimizers also take (name, parameter) pairs (model.named_parameters()),
-        # as the groups' lists or as the list of groups itself
-        params = [params] if isinstance(params, torch.Tensor) or _is_named(params) else params
-        tensors.extend(p[1] if _is_named(p) else p for p in params)
-    return [t for t in tensors if isinstance(t, torch.Tensor)]
+        params = [params] if isinstance(params, torch.Tensor) else params
+        # torch's optimizers also take (name, parameter) pairs (model.named_parameters());
+        # _optimizer_recipe puts a flat list of them into one group
+        tensors.extend(p[1] if is_named_parameter(p) else p for p in params)
+    return tensors
 
 
 def _refuse_parameters_outside_model(model: nn.Module,

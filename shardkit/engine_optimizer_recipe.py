@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 import torch
 
 from shardkit.config import ConfigError, EngineConfig
+from shardkit.optim.local_step import is_named_parameter
 from shardkit.recipes import OptimizerRecipe, why_not_on_row_shards
 
 
@@ -23,7 +24,7 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters,
     if cfg.optimizer is not None:
         if model_parameters is not None:
             model_parameters = list(model_parameters)
-            if model_parameters and all(_is_named(p) for p in model_parameters):
+            if model_parameters and all(is_named_parameter(p) for p in model_parameters):
                 # model.named_parameters(): one group of (name, parameter) pairs, as torch's
                 # optimizers read such a list
                 model_parameters = [{"params": model_parameters}]
@@ -39,11 +40,6 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters,
         if cfg.zero.stage == 3 and optimizer.state:
             return _recipe_rebuilt_on_shards(optimizer)
     return OptimizerRecipe.of(optimizer)
-
-
-def _is_named(item) -> bool:
-    """Whether ``item`` is a ``(name, parameter)`` pair. Local."""
-    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
 
 
 def _built_by_callable(factory, params, cfg: EngineConfig) -> torch.optim.Optimizer:

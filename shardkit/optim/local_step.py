@@ -108,6 +108,13 @@ def agreed_closure(closure: Callable, params: list, group, world_size: int,
     return closure_on_every_rank
 
 
+def is_named_parameter(x) -> bool:
+    """Whether ``x`` is a ``(name, parameter)`` pair, as ``model.named_parameters()`` yields
+    and torch's optimizers take. Local."""
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) \
+        and isinstance(x[1], torch.Tensor)
+
+
 def choose_fused(optim_class: type, kwargs: dict, groups: list[dict]) -> bool:
     """Whether OSS runs the local step with torch's fused kernel: a torch optimizer that has
     one, ``fused`` and ``foreach`` left unset (``None``) in the constructor arguments and in
@@ -119,7 +126,7 @@ def choose_fused(optim_class: type, kwargs: dict, groups: list[dict]) -> bool:
     if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
         return False
     # torch's optimizers also take (name, parameter) pairs (model.named_parameters())
-    params = [p[1] if isinstance(p, tuple) else p for g in groups for p in g["params"]]
+    params = [p[1] if is_named_parameter(p) else p for g in groups for p in g["params"]]
     return all_fp32(params) and all(p.device.type in ("cpu", "cuda") for p in params)
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from shardkit import distributed
-from shardkit.optim.local_step import of_torch_or_shardkit
+from shardkit.optim.local_step import is_named_parameter, of_torch_or_shardkit
 
 __all__ = ["NOT_GIVEN", "place_broadcast_fp16", "check_deprecated_fairscale_arguments",
            "resolve_optimizer", "optimizer_name", "check_built_optimizer",
@@ -199,16 +199,11 @@ def normalize_param_groups(params) -> list[dict]:
     return groups
 
 
-def _is_named(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) \
-        and isinstance(x[1], torch.Tensor)
-
-
 def _names_taken_out(item: dict, ps: list, g: int, earlier: list) -> list:
     """A group given as ``(name, parameter)`` pairs (``model.named_parameters()``, which torch's
     optimizers take): its tensors, with the names written into ``item["param_names"]``, as
     torch's ``add_param_group`` does. Groups must all be named or all unnamed (torch's rule)."""
-    named = [_is_named(x) for x in ps]
+    named = [is_named_parameter(x) for x in ps]
     if not any(named):
         names = None
     elif not all(named):

@@ -155,8 +155,7 @@ def _registered_after_wrapping(root: FullyShardedDataParallel, unit: FullySharde
         for holder, key in owner._shard.locations[index]:
             if holder._parameters.get(key) is not p:
                 return removed_after_wrapping(holder, key, owner._shard.layouts[index])
-    unit_name = next((clean_name(n) for n, m in root.named_modules() if m is unit), "")
-    where = ".".join(part for part in (unit_name, name, attr) if part)
+    where = ".".join(part for part in (_unit_name(root, unit), name, attr) if part)
     if owner is not None:
         return (f"FullyShardedDataParallel: {where} ({type(module).__name__}.{attr}) was set "
                 f"after wrapping to a parameter that an FSDP unit shards (this rank's rows, "
