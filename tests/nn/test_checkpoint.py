@@ -351,8 +351,11 @@ def _pipeline_with_checkpointed_blocks_parity():
 
 
 def test_pipeline_schedules_with_checkpointed_blocks_match_single_process(world2):
+    # Adam moves an element by about lr whatever its gradient's size, so the rounding of two
+    # micro-batches' sum against one batch's shows up to ~1e-3 lr (1.07e-5 on an AVX-512 VM,
+    # the same for every schedule); a schedule that lost or doubled a gradient is off by ~lr
     for per_schedule in world2.run(_pipeline_with_checkpointed_blocks_parity):
-        assert max(per_schedule.values()) <= 1e-5, per_schedule
+        assert max(per_schedule.values()) <= 1e-4, per_schedule
 
 
 def _own_tracker():

@@ -33,7 +33,8 @@ from shardkit.testing import world_fixture
 
 WIDTH, LOCAL_BATCH, STEPS = 6, 3, 5
 TOL = 1e-5          # fp32, every rank, every step
-LBFGS_TOL = 5e-5    # LBFGS's inner iterations amplify the rounding of the averaged gradient
+LBFGS_TOL = 2e-4    # LBFGS's inner iterations amplify the rounding of the averaged gradient
+#                    (strong Wolfe at world 4: 6.4e-5 on an AVX-512 VM, under 5e-5 on others)
 STATE_TOL = 1e-4    # relative, for state that divides by small numbers (RMSprop's centred avg)
 
 world1 = world_fixture(1, timeout=120)
