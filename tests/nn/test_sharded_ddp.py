@@ -385,3 +385,32 @@ def test_user_post_accumulate_hooks_see_local_gradients(world2):
     for out in world2.run(_user_post_accumulate_hooks_see_local_gradients):
         for size, (hook_diff, worst) in out.items():
             assert hook_diff <= 1e-6 and worst <= TOLERANCE, (size, hook_diff, worst)
+
+
+def _carried_fp16_gradients_stay_finite():
+    """fp16 gradients accumulated over reducing backward passes without zeroing (the engine's
+    stage 2 with gradient accumulation does this every micro-batch): the owner's reduced
+    gradient carried into the next backward is added to the next reduction, not multiplied
+    by the world size first (it overflowed above 65504 / N: 40000 then 20000 gave inf, and
+    a second ``reduce()`` with no backward between did too)."""
+    rank = skdist.get_rank()
+    out = {}
+    for size in (0, 2 ** 23):
+        model = nn.Linear(1, 1, bias=False).half()
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.0)
+        wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=size)
+        seen = []
+        for local in ((40000.0, 40000.0), (30000.0, 10000.0)):
+            x = torch.full((1, 1), local[rank], dtype=torch.half)
+            wrapped(x).sum().backward()
+            seen.append(None if model.weight.grad is None else float(model.weight.grad))
+        wrapped.reduce()  # nothing new since the last reduction: the gradient stays
+        seen.append(None if model.weight.grad is None else float(model.weight.grad))
+        out[size] = (optimizer.partition.owner(model.weight) == rank, seen)
+    return out
+
+
+def test_carried_fp16_gradients_stay_finite(world2):
+    for out in world2.run(_carried_fp16_gradients_stay_finite):
+        for size, (owner, seen) in out.items():
+            assert seen == ([40000.0, 60000.0, 60000.0] if owner else [None] * 3), (size, seen)

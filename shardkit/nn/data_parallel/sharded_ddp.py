@@ -171,7 +171,8 @@ class ShardedDataParallel(nn.Module):
     accumulate locally and the first one outside reduces the sum; or, as in FairScale, the
     last backward also runs inside ``no_sync()`` and :meth:`reduce` then reduces the sum.
     Gradients accumulated across
-    backward passes without zeroing stay correct (the owner's reduced gradient is carried).
+    backward passes without zeroing stay correct (the owner's reduced gradient is carried:
+    set aside while the next reduction runs and added to its result, so fp16 sums stay finite).
     Buckets are first planned in reverse registration order, then, after the first reduced
     backward, re-planned once in the order rank 0's gradients really arrived (as torch DDP
     does); a bucket that completes early waits for the ones planned before it.
@@ -262,6 +263,8 @@ class ShardedDataParallel(nn.Module):
         # param -> (id, tensor_mark) of the reduced grad this wrapper gave it: not a weak
         # reference, which swap_tensors refuses (.to() under swap mode with live gradients)
         self._carried: dict = {}
+        # param -> the carried gradient set aside while a reduction runs (added to its result)
+        self._held: dict = {}
         self._trainable: list = []            # trainable params, registration order
         self._owner_of: dict = {}
         self._observed: Optional[list] = None  # grads' arrival order, until the order is settled
@@ -559,7 +562,7 @@ class ShardedDataParallel(nn.Module):
             raise RuntimeError("ShardedDataParallel.reduce(): with step_in_backward=True the "
                                "owners already stepped on the last reduction; call "
                                "optimizer.step() before reducing again")
-        self._scale_carried_grads()
+        self._carry_reduced_grads(reducing=True)
         self._syncing = True
         self._begin_owner_steps()
         try:
@@ -567,6 +570,7 @@ class ShardedDataParallel(nn.Module):
             self._launch_rest_and_wait()
         finally:
             self._syncing = False
+            self._restore_held_grads()
 
     def refresh_trainable(self) -> None:
         """Re-partition the OSS optimizers (``OSS.refresh_trainable``: collective when ownership
@@ -580,6 +584,7 @@ class ShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) every gradient of the module, as ``nn.Module.zero_grad``."""
         self._carried.clear()
+        self._held.clear()
         self.module.zero_grad(set_to_none=set_to_none)
 
     def model_state_tensors(self):
@@ -804,7 +809,7 @@ class ShardedDataParallel(nn.Module):
         if not self._sync_enabled:
             self._accumulated_locally = True
         self._backward_active = True
-        self._scale_carried_grads()
+        self._carry_reduced_grads(reducing=self._sync_enabled)
         self._syncing = self._sync_enabled
         if self._observed is not None:
             self._observed = []
@@ -830,16 +835,36 @@ class ShardedDataParallel(nn.Module):
             for optimizer in self.sharded_optimizers:
                 optimizer._begin_step_in_backward()
 
-    def _scale_carried_grads(self) -> None:
-        """Multiply by N each reduced gradient still sitting untouched (same tensor) in an
-        owner's ``p.grad``: autograd adds this backward's local gradient to it, the bucket
-        divides everything by N, and the reduction then yields carried + mean(new)."""
+    def _carry_reduced_grads(self, reducing: bool) -> None:
+        """Keep each reduced gradient still sitting untouched (same tensor) in an owner's
+        ``p.grad`` in the sum the next reduction yields, carried + mean(new).
+
+        A reduction that starts now (a reducing backward, :meth:`reduce`) sets it aside
+        (``p.grad = None``, so autograd writes only this backward's local gradient) and
+        :meth:`_finish` adds the reduced result to it in place: no copy, one rounding, and
+        fp16 stays finite wherever the sum is. A ``no_sync()`` backward, which accumulates into
+        ``p.grad`` until some later reduction, and a parameter whose owner changed (its old
+        owner must send what it holds) multiply it by N instead: the bucket divides all by N.
+        (In fp16 that product overflows above 65504 / N: only after a reduction carried
+        into a ``no_sync()`` window without zeroing.)"""
         carried = list(self._carried.items())
         self._carried.clear()
         for p, (grad_id, mark) in carried:
             g = p.grad
-            if g is not None and id(g) == grad_id and not swapped_since(g, mark):
+            if g is None or id(g) != grad_id or swapped_since(g, mark):
+                continue
+            if reducing and self._owner_of.get(p) == self.rank:
+                self._held[p] = g
+                p.grad = None
+            else:
                 g.mul_(self.world_size)
+
+    def _restore_held_grads(self) -> None:
+        """After a reduction that failed: give each set-aside gradient back, plus whatever
+        local gradient reached ``p.grad`` meanwhile (as torch's accumulation would hold)."""
+        held, self._held = self._held, {}
+        for p, g in held.items():
+            p.grad = g if p.grad is None else g.add_(p.grad)
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         if not self._syncing:
@@ -919,6 +944,9 @@ class ShardedDataParallel(nn.Module):
 
     def _finish(self, reduction: BucketReduction) -> None:
         for p, grad in reduction.finish():
+            held = self._held.pop(p, None)
+            if held is not None:
+                grad = held if grad is None else held.add_(grad)
             p.grad = grad
             if grad is not None:
                 self._carried[p] = (id(grad), tensor_mark(grad))
@@ -937,6 +965,7 @@ class ShardedDataParallel(nn.Module):
         finally:
             self._backward_active = False
             self._syncing = False
+            self._restore_held_grads()
 
     def _launch_rest_and_wait(self) -> None:
         """Launch every bucket not launched yet (unused parameters: their gradients count as
@@ -956,6 +985,7 @@ class ShardedDataParallel(nn.Module):
             self._in_flight.clear()
             self._backward_active = False
             self._syncing = False
+            self._restore_held_grads()
 
     def _check_step_in_backward(self, step_in_backward) -> None:
         """A bool, and with ``True`` optimizers that update each parameter alone. Local."""
