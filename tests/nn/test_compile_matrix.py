@@ -314,8 +314,42 @@ CASES = _cases()
 IDS = [f"{c['wrapper']}-{c['model']}-{c['compile']}" for c in CASES]
 
 
+class _CountedBlock(nn.Module):
+    """A residual block that counts the calls it runs eagerly (the branch is dead while Dynamo
+    traces, so the count adds no guard)."""
+
+    eager_calls = 0
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h):
+        if not torch.compiler.is_compiling():
+            _CountedBlock.eager_calls += 1
+        return h + torch.tanh(self.fc(h))
+
+
+def _frames_for_units(units: int) -> tuple:
+    """(frames Dynamo compiled, block calls run eagerly) over 3 steps of a whole FSDP model of
+    ``units`` nested units compiled at once."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(*[FSDP(_CountedBlock()) for _ in range(units)]))
+    compiled = torch.compile(model, backend="aot_eager")
+    _CountedBlock.eager_calls = 0
+    for _ in range(3):
+        compiled(torch.randn(4, WIDTH)).sum().backward()
+    frames = dynamo.utils.counters["frames"]["total"]
+    dynamo.reset()
+    return frames, _CountedBlock.eager_calls
+
+
 def _all():
-    out = {"cases": [_run_case(case) for case in CASES]}
+    out = {"frames_by_units": {n: _frames_for_units(n) for n in (3, 12)}}
+    out["cases"] = [_run_case(case) for case in CASES]
     out["pipe"] = {"1f1b": _run_pipeline("1f1b", "block_fn")}
     out["fullgraph_error"] = _whole_fsdp_model_fullgraph()
     return out
@@ -381,3 +415,12 @@ def test_fullgraph_on_a_whole_fsdp_model_says_to_compile_the_blocks(results):
         assert message is not None
         assert "FullyShardedDataParallel" in message and "fullgraph" in message
         assert "block.compile(fullgraph=True)" in message, message
+
+
+def test_whole_fsdp_model_compiles_each_unit_frame_once(results):
+    """A unit's forward resumes after its eager pre-forward in one frame that serves every unit
+    (it read the wrapped module through the unit's ``__getattr__``, whose look at the unit's
+    state was guarded: one recompile per unit, 8 at 3 units, 13 at 12, up to Dynamo's limit)."""
+    for r in results:
+        (frames3, eager3), (frames12, eager12) = r["frames_by_units"][3], r["frames_by_units"][12]
+        assert frames12 == frames3 and eager3 == eager12 == 0, r["frames_by_units"]

@@ -816,7 +816,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
             # such breaks): it would run the whole forward eagerly. A compiled forward that
             # raises leaves its units to the next forward to free, as before.
             _run_pre_forward_first_eagerly(self)  # before the call Dynamo traces
-            return self._fsdp_wrapped_module(*args, **kwargs)
+            # read past __getattr__, whose look at the unit's state Dynamo would guard: one
+            # resumed frame then serves every unit instead of a recompile per unit
+            return self.__dict__["_modules"]["_fsdp_wrapped_module"](*args, **kwargs)
         self._run_pre_forward_first()
         try:
             return self._fsdp_wrapped_module(*args, **kwargs)
