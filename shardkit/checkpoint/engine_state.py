@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from shardkit import distributed
+from shardkit.checkpoint.consolidate import is_tag_directory, tags_found
 from shardkit.checkpoint.fsdp_state import param_cut
 from shardkit.checkpoint.resharding import ParamLayout
 from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
@@ -349,7 +350,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states,
                                          load_lr_scheduler_states, strict, load_rng_state)
     if ckpt is None:
-        logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
+        logger.warning("%s", _nothing_to_load(load_dir))
         return None, None
     weights = _with_excluded_kept(engine, ckpt)
     _load_model(engine, weights)
@@ -521,6 +522,23 @@ def _count_over_ranks(*flags) -> list[int]:
                           device=agreement_device())
     distributed.all_reduce(counts)
     return [int(c) for c in counts.tolist()]
+
+
+def _nothing_to_load(load_dir: str) -> str:
+    """The warning of a ``load_checkpoint`` that found no ``latest`` file (DeepSpeed's
+    behaviour: nothing loaded, ``(None, None)`` returned), with what to pass instead where the
+    directory shows it: one tag's own directory (the easy slip, ``ckpt/global_step3`` for
+    ``ckpt``) or tags present without a ``latest`` file."""
+    if is_tag_directory(load_dir):
+        parent, tag = os.path.split(os.path.normpath(load_dir))
+        return (f"load_checkpoint: {load_dir} is one checkpoint's own directory, not the "
+                f"directory given to save_checkpoint: pass {parent or '.'!r} with tag={tag!r}; "
+                f"nothing loaded")
+    tags = tags_found(load_dir)
+    if tags:
+        return (f"load_checkpoint: no 'latest' file in {load_dir}; pass tag= to load one of "
+                f"the checkpoints there ({', '.join(tags)}); nothing loaded")
+    return f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded"
 
 
 def _with_excluded_kept(engine, ckpt) -> dict:

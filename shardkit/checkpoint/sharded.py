@@ -194,12 +194,20 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
                 remove_own_staging(staging)
             raise CheckpointError(
                 f"save_checkpoint of {os.path.join(save_dir, tag)} failed: the ranks' "
-                f"agreement broke off ({type(error).__name__}: "
-                f"{str(error).splitlines()[0][:300]}), e.g. another rank died mid-save; "
-                f"{_outcome(save_dir, rank, published)}") from error
+                f"agreement broke off ({type(error).__name__}: {_first_words(error)}), e.g. "
+                f"another rank died mid-save; {_outcome(save_dir, rank, published)}") from error
         finally:
             if made:  # only the commit that made it owns it: a refused one leaves it held
                 release_owned_dir(staging)
+
+
+def _first_words(error: BaseException, limit: int = 300) -> str:
+    """``error``'s first line, cut at a word boundary within ``limit`` characters (with an
+    ellipsis when cut): the whole error stays attached as the cause."""
+    line = (str(error).splitlines() or [""])[0]
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _outcome(save_dir: str, rank: int, published: list) -> str:
@@ -633,7 +641,10 @@ def resolve_checkpoint_dir(load_dir: str, tag: Optional[str]) -> Optional[str]:
         retired = os.path.join(load_dir, f".old-{tag}")  # a re-save of tag was interrupted
         if os.path.isdir(retired):
             return retired
-        raise CheckpointError(f"load_checkpoint: {path} does not exist; tags present: "
+        what = "does not exist" if not os.path.exists(path) else "is not a checkpoint directory"
+        if tag == LATEST and os.path.isfile(path):
+            what += " (the file naming the last tag: leave tag=None to load the tag it names)"
+        raise CheckpointError(f"load_checkpoint: {path} {what}; tags present: "
                               f"{_tags(load_dir)}")
     if not os.path.isfile(os.path.join(path, METADATA)):
         raise CheckpointError(f"load_checkpoint: {path} has no {METADATA}; it is not a complete "

@@ -539,3 +539,47 @@ def test_composite_and_positionless_scheduler_states_are_refused(world2, tmp_pat
         assert "is SequentialLR(ConstantLR, ExponentialLR)" in composite and untouched
         assert "saved by CountingSchedule and holds no position" in positionless, positionless
         assert untouched_too
+
+
+def _load_slips(save_dir):
+    """What ``load_checkpoint`` says for the easy slips: one tag's own directory, a directory
+    whose ``latest`` file is gone, and ``tag="latest"``."""
+    import logging
+    engine, _, _, _ = shardkit.initialize(model=GPT(TINY, seed=0), config=_config(1))
+    _train_steps(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="global_step1")
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("shardkit").addHandler(handler)
+    try:
+        out = {"tag_dir": (engine.load_checkpoint(os.path.join(save_dir, "global_step1")),
+                           messages[-1])}
+        try:
+            engine.load_checkpoint(save_dir, tag="latest")
+        except CheckpointError as error:
+            out["tag_latest"] = str(error)
+        os.remove(os.path.join(save_dir, "latest"))
+        out["no_latest"] = (engine.load_checkpoint(save_dir), messages[-1])
+    finally:
+        logging.getLogger("shardkit").removeHandler(handler)
+    return out
+
+
+def test_load_checkpoint_slips_say_what_to_pass(world1, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    out = world1.run(_load_slips, save_dir)[0]
+    loaded, message = out["tag_dir"]
+    assert loaded == (None, None)
+    assert f"pass {str(tmp_path / 'ckpt')!r} with tag='global_step1'" in message, message
+    assert "leave tag=None" in out["tag_latest"] and "does not exist" not in out["tag_latest"]
+    loaded, message = out["no_latest"]
+    assert loaded == (None, None) and "pass tag=" in message and "global_step1" in message
+
+
+def test_a_broken_agreement_is_summarised_at_a_word_boundary():
+    from shardkit.checkpoint.sharded import _first_words
+    long = RuntimeError("peer " + "word " * 100 + "\nsecond line")
+    cut = _first_words(long)
+    assert len(cut) <= 304 and cut.endswith("word ...") and "second" not in cut
+    assert _first_words(RuntimeError("short one\nmore")) == "short one"
