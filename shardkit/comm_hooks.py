@@ -366,6 +366,16 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
     such a backward inside ``no_sync`` reads ``N x carried + local``. With a 16-bit ``dtype``
     the carried part travels in it too, as it does under DDP's 16-bit hooks.
     """
+    return _reduce_to_owners(optimizer, bucket, tell_owners_what_was_used=False)
+
+
+def _reduce_to_owners(optimizer, bucket, tell_owners_what_was_used: bool):
+    """:func:`reduce_to_owners_hook`; with ``tell_owners_what_was_used`` each rank also sends,
+    beside each owner's share, one element per parameter of that share: whether the parameter
+    has a gradient on this rank. An owner whose ``.grad`` of a parameter is still ``None`` (it
+    did not use it: DDP with ``find_unused_parameters`` or ``static_graph``) then gets DDP's
+    bucket view there when another rank used it, as DDP gives it only once backward ends, and
+    keeps ``None`` when no rank did, as DDP does."""
     optimizer, wire = _owners_state(optimizer)
     group = optimizer.group
     n, rank = skdist.get_world_size(group), skdist.get_rank(group)
@@ -378,11 +388,16 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
         carry.watch([p for p, *_ in layout])
         carry.scale_unaccumulated(layout, buffer)
     slices: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for _, owner, offset, numel in layout:
+    shares: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for p, owner, offset, numel in layout:
         slices[owner].append((offset, numel))
+        shares[owner].append(p)
     segments = []
-    for owned in slices:
+    for owned, params in zip(slices, shares):
         sources = [buffer[offset:offset + numel] for offset, numel in owned]
+        if sources and tell_owners_what_was_used:
+            sources.append(torch.tensor([float(q.grad is not None) for q in params],
+                                        dtype=buffer.dtype, device=buffer.device))
         segments.append(pack_rank_major(sources, 1, scale=1.0 / n, dtype=wire or buffer.dtype)
                         if sources else None)
     handle = optimizer.comm.reduce_to_owners(segments, group)
@@ -396,11 +411,23 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
             if numel:  # a rank owning only zero-element parameters receives nothing (None)
                 buffer[offset:offset + numel].copy_(summed[start:start + numel])
                 start += numel
+        if tell_owners_what_was_used and slices[rank]:
+            used_somewhere = summed[start:start + len(slices[rank])].ne(0).tolist()
+            _give_used_gradients(bucket, shares[rank], used_somewhere)
         if carry is not None:
             carry.arm(landed)
         return buffer
 
     return handle.as_future().then(land)
+
+
+def _give_used_gradients(bucket, owned: list, used_somewhere: list) -> None:
+    """Set ``.grad`` to DDP's bucket view for each owned parameter without one that some rank
+    used (the view DDP sets when its backward ends, filled now with the reduced average)."""
+    views = {id(p): g for p, g in zip(bucket.parameters(), bucket.gradients())}
+    for p, used in zip(owned, used_somewhere):
+        if used and p.grad is None:
+            p.grad = views[id(p)]
 
 
 class _Carry:
@@ -492,7 +519,11 @@ def step_oss_in_ddp_backward(ddp, optimizer) -> None:
     ``optimizer.step()`` raises a RuntimeError on every rank before its first reduction (it
     would step again). Creates a process group over the same ranks for the all-gathers
     (:func:`shardkit.distributed.group_of_same_ranks`). Wire and memory:
-    :func:`reduce_to_owners_hook`'s plus OSS's parameter sync, ``2Ψ(N-1)/N`` a step.
+    :func:`reduce_to_owners_hook`'s plus OSS's parameter sync, ``2Ψ(N-1)/N`` a step. With
+    ``find_unused_parameters`` or ``static_graph`` (parameters a rank may not use) each share
+    also carries one element per parameter, whether the sender used it, so that an owner that
+    did not use a parameter steps it on the others' gradients, and one that no rank used is
+    left unstepped, as torch DDP leaves its ``.grad`` ``None``.
     """
     _check_oss("step_oss_in_ddp_backward(optimizer=...)", optimizer)
     if not getattr(ddp, "gradient_as_bucket_view", False):
@@ -503,15 +534,21 @@ def step_oss_in_ddp_backward(ddp, optimizer) -> None:
     if skdist.get_world_size(optimizer.group) > 1:
         optimizer._prepare_step_in_backward(skdist.group_of_same_ranks(optimizer.group),
                                             ddp.module)
-    ddp.register_comm_hook(_StepWhenReduced(optimizer), _reduce_to_owners_and_step_hook)
+    # with parameters a rank may not use, DDP gives such a rank their .grad only once backward
+    # ends, after the step here: the owners are told which parameters some rank used
+    may_leave_unused = bool(getattr(ddp, "find_unused_parameters", False)
+                            or getattr(ddp, "static_graph", False))
+    ddp.register_comm_hook(_StepWhenReduced(optimizer, may_leave_unused),
+                           _reduce_to_owners_and_step_hook)
 
 
 class _StepWhenReduced:
     """The state of :func:`_reduce_to_owners_and_step_hook`: how many gradients of each OSS
     sync bucket have landed in this backward, and the bucket each parameter is in."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, may_leave_unused: bool = False):
         self.optimizer = optimizer
+        self.may_leave_unused = may_leave_unused
         self._planned_for = None
         self._bucket_of: dict = {}
         self._sizes: list[int] = []
@@ -556,7 +593,8 @@ def _reduce_to_owners_and_step_hook(state: _StepWhenReduced, bucket):
     if bucket.index() == 0:
         state.begin_backward()
     params = bucket.parameters()
-    reduced = reduce_to_owners_hook(state.optimizer, bucket)
+    reduced = _reduce_to_owners(state.optimizer, bucket,
+                                tell_owners_what_was_used=state.may_leave_unused)
 
     def step_what_is_complete(fut) -> torch.Tensor:
         buffer = fut.value()

@@ -225,3 +225,55 @@ def test_step_oss_in_ddp_backward_refuses_what_it_cannot_step(world2):
     for errors in world2.run(_step_in_ddp_backward_refusals):
         assert "gradient_as_bucket_view=True" in errors["bucket_view"], errors
         assert "LBFGS does not update each parameter" in errors["optimizer"], errors
+
+
+class _Routed(nn.Module):
+    """``b`` used on one rank per step (alternating), ``c`` on none: a mixture-of-experts
+    router's pattern under DDP with ``find_unused_parameters`` or ``static_graph``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def _step_in_backward_with_unused_parameters():
+    """step_oss_in_ddp_backward against torch DDP + SGD (momentum, weight decay; OSS picks
+    torch's fused kernel: rounding apart) when the owner of ``b`` did not use it (DDP gives
+    its ``.grad`` only when backward ends, after the step in the hook: it was skipped) and
+    ``c`` is used nowhere (``None`` everywhere: not stepped)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from shardkit.comm_hooks import step_oss_in_ddp_backward
+    rank = skdist.get_rank()
+    out = {}
+    for kw in ({"find_unused_parameters": True}, {"static_graph": True}):
+        ref = DDP(_Routed(), gradient_as_bucket_view=True, **kw)
+        ddp = DDP(_Routed(), gradient_as_bucket_view=True, **kw)
+        hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+        ref_opt = torch.optim.SGD(ref.parameters(), **hyper)
+        opt = OSS(ddp.parameters(), optim=torch.optim.SGD, **hyper)
+        step_oss_in_ddp_backward(ddp, opt)
+        worst = 0.0
+        for step in range(4):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            use_b = rank == step % 2 if "find_unused_parameters" in kw else rank == 0
+            for model, optimizer in ((ref, ref_opt), (ddp, opt)):
+                optimizer.zero_grad()
+                model(x, use_b).pow(2).sum().backward()
+                optimizer.step()
+            opt.wait_for_sync()
+            worst = max(worst, max(float((p - q).abs().max()) for p, q in
+                                   zip(ref.parameters(), ddp.parameters())))
+        out[next(iter(kw))] = (worst, [p.grad is None for p in ddp.module.c.parameters()])
+    return out
+
+
+def test_step_oss_in_ddp_backward_steps_parameters_their_owner_did_not_use(world2):
+    for out in world2.run(_step_in_backward_with_unused_parameters):
+        for option, (worst, c_grads_none) in out.items():
+            assert worst <= 1e-6 and c_grads_none == [True, True], (option, worst, c_grads_none)
