@@ -20,6 +20,7 @@ import zlib
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
+from torch.distributed.algorithms.join import Join, Joinable
 
 from shardkit import distributed
 from shardkit.checkpoint.optimizer_state import (check_full_state_dict,
@@ -33,6 +34,7 @@ from shardkit.optim.local_step import (agreed_closure, all_fp32, build_local_opt
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
 from shardkit.optim.master_weights import MasterWeights
+from shardkit.optim.oss_join import OSSJoinHook
 from shardkit.optim.param_sync import ParamSync, _is_dense, broadcast_wire_dtype
 from shardkit.optim.partition import ParameterPartition, plan_ownership, send_state_to_new_owners
 from shardkit.transport import resolve_transport
@@ -73,7 +75,7 @@ def _same_memory_order(tensor: torch.Tensor, like: torch.Tensor) -> bool:
                     for size, a, b in zip(like.shape, tensor.stride(), like.stride())))
 
 
-class OSS(torch.optim.Optimizer):
+class OSS(torch.optim.Optimizer, Joinable):
     """Wrap a torch optimizer so that each rank holds and steps only its share of the state.
 
     Two constructors, like FairScale's::
@@ -241,6 +243,7 @@ class OSS(torch.optim.Optimizer):
         self.comm.prepare(group)
         super().__init__(groups, without_fused_choice(dict(self.optim.defaults), self.fused))
         self._sync = ParamSync(self._plan, self.rank, group, broadcast_fp16, self.comm)
+        Joinable.__init__(self)
         self._ready = True
         if existing is not None:
             self.load_state_dict(existing.state_dict())
@@ -411,6 +414,7 @@ class OSS(torch.optim.Optimizer):
         agreement: one all-gather of 16 int64s a rank (a control message, not counted by
         ``CommCounter``; see :meth:`_agree_on_param_groups`).
         """
+        Join.notify_join_context(self)  # inside Join([...]): this rank has not joined yet
         self._mark_taken_over_optimizer_stepped()
         found_inf_agreed, self._found_inf_agreed = self._found_inf_agreed, False
         if self._stepped_in_backward is not None:
@@ -1129,6 +1133,28 @@ class OSS(torch.optim.Optimizer):
         """Finish every bucket sync still in flight (a no-op unless :meth:`overlap_sync_with`
         is in use)."""
         self._sync.wait()
+
+    # ------------------------------------------------------------------ Join (uneven inputs)
+
+    def join_hook(self, **kwargs) -> OSSJoinHook:
+        """For ``torch.distributed.algorithms.join.Join([ddp, optimizer])``, as torch's
+        ``ZeroRedundancyOptimizer``: a rank that has run out of batches shadows the others'
+        steps (:class:`~shardkit.optim.oss_join.OSSJoinHook`). Takes no keyword arguments."""
+        return OSSJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the parameters (``Join``'s counting all-reduce runs there)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        """The group the parameters are sharded over (the default group's object when none
+        was given, as DDP's ``process_group``: ``Join`` compares them)."""
+        return self.group if self.group is not None else torch.distributed.group.WORLD
 
     # ------------------------------------------------------------------ step in backward
     # Called by ShardedDataParallel(step_in_backward=True), not by users: the parameters of a
