@@ -364,7 +364,9 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
     that follows a reduction without the gradients set to None, and a Python pre-hook call
     per parameter per backward. Until that next reduction, an owner's gradient read after
     such a backward inside ``no_sync`` reads ``N x carried + local``. With a 16-bit ``dtype``
-    the carried part travels in it too, as it does under DDP's 16-bit hooks.
+    the carried part travels in it too, as it does under DDP's 16-bit hooks. (In an fp16
+    model that product overflows once a carried gradient passes 65504 / N: accumulate fp16
+    micro-batches inside ``ddp.no_sync()``, as ``shardkit.initialize`` does.)
     """
     return _reduce_to_owners(optimizer, bucket, tell_owners_what_was_used=False)
 
