@@ -202,12 +202,15 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
 
 
 def _first_words(error: BaseException, limit: int = 300) -> str:
-    """``error``'s first line, cut at a word boundary within ``limit`` characters (with an
-    ellipsis when cut): the whole error stays attached as the cause."""
+    """``error``'s first line, cut within ``limit`` characters (at a word boundary when one is
+    near the cut, else mid-word; an ellipsis marks the cut): the whole error stays attached as
+    the cause."""
     line = (str(error).splitlines() or [""])[0]
     if len(line) <= limit:
         return line
-    return line[:limit].rsplit(" ", 1)[0] + " ..."
+    cut = line[:limit]
+    space = cut.rfind(" ")
+    return (cut[:space] if space >= limit - 40 else cut) + " ..."
 
 
 def _outcome(save_dir: str, rank: int, published: list) -> str:

@@ -583,3 +583,5 @@ def test_a_broken_agreement_is_summarised_at_a_word_boundary():
     cut = _first_words(long)
     assert len(cut) <= 304 and cut.endswith("word ...") and "second" not in cut
     assert _first_words(RuntimeError("short one\nmore")) == "short one"
+    token = _first_words(RuntimeError("Timeout: " + "a" * 400))  # no space near the cut
+    assert token.startswith("Timeout: aaaa") and len(token) == 304, token

@@ -414,3 +414,89 @@ def test_carried_fp16_gradients_stay_finite(world2):
     for out in world2.run(_carried_fp16_gradients_stay_finite):
         for size, (owner, seen) in out.items():
             assert seen == ([40000.0, 60000.0, 60000.0] if owner else [None] * 3), (size, seen)
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("planned failure in backward")
+
+
+def _ref_mean_step(ref, batches, world_size, frozen=()):
+    """One SGD step of ``ref`` on the mean over ranks of each micro-batch's loss, summed."""
+    opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    opt.zero_grad()
+    for micro in batches:
+        for r in range(world_size):
+            x, y = micro(r)
+            (F.mse_loss(ref(x), y) / world_size).backward()
+        for name in frozen:
+            ref.get_parameter(name).requires_grad_(False)
+    opt.step()
+
+
+def _carried_gradients_after_failures_and_freezing():
+    """A reduced gradient carried into the next backward (accumulation without no_sync) and:
+    (1) that backward raises, the script zeroes through the optimizer (or the module) and
+    steps on one more backward: one backward's mean, as before the carry was set aside
+    (the set-aside gradient came back after the zeroing: 0.1 off); (2) with
+    ``step_in_backward``, that backward is refused because the owners already stepped, and
+    the script steps and zeroes as the error says; (3) a parameter frozen while it carries
+    one keeps it as it is (it was multiplied by N and stepped so)."""
+    rank, world_size = skdist.get_rank(), skdist.get_world_size()
+    out = {}
+    for zero in ("optimizer", "module"):
+        ref, model = Net(), Net()
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-2)
+        wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=0)
+        x, y = _batch(0, rank)
+        F.mse_loss(wrapped(x), y).backward()
+        failing = model.hidden.register_forward_hook(
+            lambda module, inputs, output: _FailInBackward.apply(output))
+        with contextlib.suppress(RuntimeError):  # raises half-way through the backward
+            F.mse_loss(wrapped(x), y).backward()
+        failing.remove()
+        (optimizer if zero == "optimizer" else model).zero_grad()
+        x, y = _batch(1, rank)
+        F.mse_loss(wrapped(x), y).backward()
+        optimizer.step()
+        _ref_mean_step(ref, [lambda r: _batch(1, r)], world_size)
+        out[f"failed_backward_{zero}_zero_grad"] = max_diff(ref, model)
+    ref, model = Net(), Net()
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-2)
+    wrapped = ShardedDataParallel(model, optimizer, step_in_backward=True)
+    F.mse_loss(wrapped(_batch(0, rank)[0]), _batch(0, rank)[1]).backward()
+    with contextlib.suppress(RuntimeError):
+        F.mse_loss(wrapped(_batch(0, rank)[0]), _batch(0, rank)[1]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    F.mse_loss(wrapped(_batch(1, rank)[0]), _batch(1, rank)[1]).backward()
+    optimizer.step()
+    _ref_mean_step(ref, [lambda r: _batch(0, r)], world_size)
+    _ref_mean_step(ref, [lambda r: _batch(1, r)], world_size)
+    with torch.no_grad():
+        wrapped(_batch(0, rank)[0])  # the last sync lands
+    out["refused_backward_then_step"] = max_diff(ref, model)
+    ref, model = Net(), Net()
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-2)
+    wrapped = ShardedDataParallel(model, optimizer)
+    F.mse_loss(wrapped(_batch(0, rank)[0]), _batch(0, rank)[1]).backward()
+    model.inp.weight.requires_grad_(False)
+    F.mse_loss(wrapped(_batch(1, rank)[0]), _batch(1, rank)[1]).backward()
+    optimizer.step()
+    _ref_mean_step(ref, [lambda r: _batch(0, r), lambda r: _batch(1, r)], world_size,
+                   frozen=("inp.weight",))
+    with torch.no_grad():
+        wrapped(_batch(0, rank)[0])
+    out["frozen_while_carried"] = max_diff(ref, model)
+    return out
+
+
+def test_carried_gradients_after_failures_and_freezing(world2):
+    for out in world2.run(_carried_gradients_after_failures_and_freezing):
+        for case, worst in out.items():
+            assert worst <= TOLERANCE, (case, worst)

@@ -809,7 +809,6 @@ class ShardedDataParallel(nn.Module):
         if not self._sync_enabled:
             self._accumulated_locally = True
         self._backward_active = True
-        self._carry_reduced_grads(reducing=self._sync_enabled)
         self._syncing = self._sync_enabled
         if self._observed is not None:
             self._observed = []
@@ -817,7 +816,8 @@ class ShardedDataParallel(nn.Module):
         self._arrived = set()
         self._next_launch = 0
         if self._syncing:
-            self._begin_owner_steps()
+            self._begin_owner_steps()  # may refuse: before any gradient is set aside
+        self._carry_reduced_grads(reducing=self._sync_enabled)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _begin_owner_steps(self) -> None:
@@ -844,23 +844,28 @@ class ShardedDataParallel(nn.Module):
         :meth:`_finish` adds the reduced result to it in place: no copy, one rounding, and
         fp16 stays finite wherever the sum is. A ``no_sync()`` backward, which accumulates into
         ``p.grad`` until some later reduction, and a parameter whose owner changed (its old
-        owner must send what it holds) multiply it by N instead: the bucket divides all by N.
-        (In fp16 that product overflows above 65504 / N: only after a reduction carried
-        into a ``no_sync()`` window without zeroing.)"""
+        owner must send what it holds) multiply it by N instead: the bucket divides all by N
+        (in fp16 that product overflows above 65504 / N). A parameter frozen since is left as
+        it is (no bucket reduces it; as in torch, its ``.grad`` stays) and stays carried.
+        A backward that raises drops what it set aside (:meth:`_forget_aborted_backward`)."""
         carried = list(self._carried.items())
         self._carried.clear()
         for p, (grad_id, mark) in carried:
             g = p.grad
             if g is None or id(g) != grad_id or swapped_since(g, mark):
                 continue
-            if reducing and self._owner_of.get(p) == self.rank:
+            if p not in self._owner_of:  # frozen: nothing reduces it now
+                self._carried[p] = (grad_id, mark)
+                continue
+            if reducing and self._owner_of[p] == self.rank:
                 self._held[p] = g
                 p.grad = None
             else:
                 g.mul_(self.world_size)
 
     def _restore_held_grads(self) -> None:
-        """After a reduction that failed: give each set-aside gradient back, plus whatever
+        """After a reduction that failed in this wrapper's own code (a transport error at the
+        end of backward, in :meth:`reduce`): give each set-aside gradient back, plus whatever
         local gradient reached ``p.grad`` meanwhile (as torch's accumulation would hold)."""
         held, self._held = self._held, {}
         for p, g in held.items():
@@ -977,7 +982,8 @@ class ShardedDataParallel(nn.Module):
 
     def _forget_aborted_backward(self) -> None:
         """A backward that raised (on every rank alike) never ran its end callback: wait for
-        the buckets it launched and start the next backward from a clean state."""
+        the buckets it launched and start the next backward from a clean state (the owners'
+        carried gradients it had set aside are dropped: zero the gradients to recover)."""
         try:
             while self._in_flight:
                 self._in_flight.popleft().finish()
@@ -985,7 +991,11 @@ class ShardedDataParallel(nn.Module):
             self._in_flight.clear()
             self._backward_active = False
             self._syncing = False
-            self._restore_held_grads()
+            # dropped, not given back: the script has had the gradients since the backward
+            # raised, and zeroes them to recover (OSS's or the module's zero_grad cannot be
+            # seen here); continuing to accumulate after a failed backward accumulates
+            # partial gradients under torch DDP too
+            self._held.clear()
 
     def _check_step_in_backward(self, step_in_backward) -> None:
         """A bool, and with ``True`` optimizers that update each parameter alone. Local."""
