@@ -15,6 +15,7 @@ from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
+from tests.nn.test_sharded_ddp_errors import _FailInBackward
 from tests.utils.compare import max_diff
 
 STEPS = 10
@@ -414,16 +415,6 @@ def test_carried_fp16_gradients_stay_finite(world2):
     for out in world2.run(_carried_fp16_gradients_stay_finite):
         for size, (owner, seen) in out.items():
             assert seen == ([40000.0, 60000.0, 60000.0] if owner else [None] * 3), (size, seen)
-
-
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("planned failure in backward")
 
 
 def _ref_mean_step(ref, batches, world_size, frozen=()):
