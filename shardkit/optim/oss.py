@@ -172,6 +172,7 @@ class OSS(torch.optim.Optimizer, Joinable):
         args.check_deprecated_fairscale_arguments(broadcast_buffer_size, force_broadcast_object,
                                                   defaults)
         args.drop_deprecated_fairscale_kwargs(defaults)
+        args.refuse_zero_redundancy_kwargs(defaults)
         existing = params if isinstance(params, torch.optim.Optimizer) else None
         self._optim_is_factory = False
         # the optimizer taken over, when each local optimizer is a copy of it

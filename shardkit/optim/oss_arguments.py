@@ -86,6 +86,30 @@ def drop_deprecated_fairscale_kwargs(defaults: dict) -> None:
                         "shardkit.shm_transport.SharedMemoryTransport() for ranks on one host)")
 
 
+# torch's ZeroRedundancyOptimizer's keyword arguments -> what OSS takes instead
+_ZERO_REDUNDANCY_KWARGS = {
+    "optimizer_class": "pass the optimizer class as optim= (OSS(params, optim=torch.optim.AdamW, "
+                       "lr=...))",
+    "process_group": "pass the group as group=",
+    "parameters_as_bucket_view": "OSS always syncs parameters in flat buckets (bucket_numel= "
+                                 "sets their size); drop the argument",
+    "overlap_with_ddp": "use shardkit.comm_hooks.step_oss_in_ddp_backward(ddp, optimizer) (or "
+                        "optimizer.overlap_sync_with(model)); drop the argument",
+}
+
+
+def refuse_zero_redundancy_kwargs(defaults: dict) -> None:
+    """torch ``ZeroRedundancyOptimizer``'s own keywords, given to OSS by a script switching
+    over: a TypeError naming what OSS takes instead, before they reach the inner optimizer
+    (which refused them naming itself: "OSS(optim=SGD): the optimizer refused ...
+    'optimizer_class'"). Local."""
+    given = [name for name in _ZERO_REDUNDANCY_KWARGS if name in defaults]
+    if given:
+        raise TypeError("OSS(" + ", ".join(f"{name}=..." for name in given) + "): "
+                        "ZeroRedundancyOptimizer's argument(s); " +
+                        "; ".join(f"{name}: {_ZERO_REDUNDANCY_KWARGS[name]}" for name in given))
+
+
 def check_optimizer_class(optim) -> None:
     """``optim`` must be a ``torch.optim.Optimizer`` subclass (the class, not an instance)."""
     if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):

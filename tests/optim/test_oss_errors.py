@@ -88,3 +88,18 @@ def test_parameters_in_a_set():
         OSS([{"params": set(_params())}], optim=torch.optim.SGD, lr=0.1)
     with pytest.raises(TypeError, match=r"OSS\(params=\.\.\.\): got a set; .*ordered"):
         OSS(set(_params()), optim=torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"optimizer_class": torch.optim.Adam, "lr": 0.01}, "optimizer_class: pass the optimizer "
+                                                        "class as optim="),
+    ({"process_group": None}, "process_group: pass the group as group="),
+    ({"parameters_as_bucket_view": True}, "parameters_as_bucket_view: OSS always syncs"),
+    ({"overlap_with_ddp": True}, "overlap_with_ddp: use shardkit.comm_hooks.step_oss_in_ddp"),
+])
+def test_zero_redundancy_optimizer_arguments_name_what_oss_takes(kwargs, named):
+    """A script switching from torch's ZeroRedundancyOptimizer: its keywords are refused naming
+    OSS's (they went to the inner optimizer, whose refusal named SGD, not what was asked)."""
+    with pytest.raises(TypeError, match="ZeroRedundancyOptimizer's argument") as caught:
+        OSS(_params(), **kwargs)
+    assert named in str(caught.value), caught.value
