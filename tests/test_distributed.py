@@ -617,7 +617,7 @@ _EXIT_SCRIPT = """
 import atexit, sys, weakref, torch
 import torch.distributed as dist
 held = []  # registered before shardkit's teardown at exit, so it runs after it
-atexit.register(lambda: print(f"group released {held[0]() is None}", flush=True))
+atexit.register(lambda: print(f"group released {all(r() is None for r in held)}", flush=True))
 from shardkit import distributed as d
 d.init_distributed()
 held.append(weakref.ref(dist.group.WORLD))
@@ -626,6 +626,24 @@ for _ in range(20):
     d.all_reduce(t)
 if sys.argv[1] == "raise" and d.get_rank() == 1:
     raise SystemError("rank 1 fails on purpose")
+if sys.argv[1] == "torch_destroy":  # FairScale's tests: OSS + ShardedDDP, then torch's destroy
+    from shardkit.nn import ShardedDataParallel
+    from shardkit.optim import OSS
+    from shardkit.transport import _opened_lanes
+    def train():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        sharded = ShardedDataParallel(model, optimizer)
+        for _ in range(3):
+            sharded(torch.ones(4, 8)).sum().backward()
+            optimizer.step()
+        lanes = _opened_lanes(dist.group.WORLD) or ()
+        print(f"lanes {len(lanes)}", flush=True)
+        # torch's optimizer imports torch._dynamo, which holds the default group: only the
+        # groups shardkit made are checked
+        held[:] = [weakref.ref(lane) for lane in lanes]
+    train()
+    dist.destroy_process_group()
 print("done", d.get_rank(), flush=True)
 """
 
@@ -685,6 +703,19 @@ def test_script_that_never_calls_destroy_exits_cleanly(background, tmp_path):
         assert proc.stdout.count("group released True") == 2, proc.stdout
 
 
+def test_script_that_destroys_with_torch_exits_cleanly(background, tmp_path):
+    # before: shardkit's group caches held the groups it made over the torn-down default group
+    # (its lanes, gloo worker threads running) into the interpreter's finalization, where
+    # torch's destroy would have released them. Checked directly: released before it.
+    proc = side_by_side.result(background, "torchrun_torch_destroy",
+                               lambda: _torchrun_script(tmp_path, "torch_destroy", os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    assert proc.stdout.count("done") == 2, proc.stdout
+    assert proc.stdout.count("lanes 2") == 2, proc.stdout
+    assert proc.stdout.count("group released True") == 2, proc.stdout
+
+
 def test_rank_that_raises_fails_the_run_without_hanging(background, tmp_path):
     proc = side_by_side.result(background, "torchrun_raise",
                                lambda: _torchrun_script(tmp_path, "raise", os.environ))
@@ -733,6 +764,8 @@ _SCENARIOS = {
     "torchrun_restart": _restarted_torchrun_scenario,
     **{run: lambda tmp, environ: _torchrun_script(tmp, "plain", environ) for run in _PLAIN_RUNS},
     "torchrun_raise": lambda tmp, environ: _torchrun_script(tmp, "raise", environ),
+    "torchrun_torch_destroy": lambda tmp, environ: _torchrun_script(tmp, "torch_destroy",
+                                                                    environ),
 }
 # the init scenarios fork from the fork server (torch already imported); a torchrun is three
 # fresh interpreters (the agent, then two ranks)
@@ -750,6 +783,7 @@ _SCENARIOS_OF_TEST = {
     "test_restarted_torchrun_attempts_connect_afresh": ["torchrun_restart"],
     "test_script_that_never_calls_destroy_exits_cleanly": list(_PLAIN_RUNS),
     "test_rank_that_raises_fails_the_run_without_hanging": ["torchrun_raise"],
+    "test_script_that_destroys_with_torch_exits_cleanly": ["torchrun_torch_destroy"],
 }
 
 
