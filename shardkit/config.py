@@ -70,9 +70,16 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     switched off, the sections amp,
     tensorboard, wandb, csv_monitor, flops_profiler, data_efficiency,
     curriculum_learning, elasticity and autotuning, and checkpoint.load_universal,
-    use_node_local_storage and parallel_write.pipeline_stage. A value these do not
-    accept is an error that names what to use instead. comms_logger is read by
-    ``initialize`` (``shardkit.comm.configure``: counts and bus bytes per op, no latencies).
+    use_node_local_storage and parallel_write.pipeline_stage, progressive_layer_drop,
+    eigenvalue, compile (DeepCompile), nebula, disable_allgather and
+    use_data_before_expert_parallelism; zero_optimization.zenflow while null;
+    managed_gradient_accumulation when true; timers, graph_harvesting,
+    seq_parallel_communication_data_type, log_level, vocabulary_size and
+    zero_optimization.leaf_module (speed, logging and fetching only). A value these do not
+    accept is an error that names what to use instead. train_batch_size,
+    train_micro_batch_size_per_gpu and gradient_accumulation_steps may be null (as absent).
+    comms_logger is read by ``initialize`` (``shardkit.comm.configure``: counts and bus bytes
+    per op, no latencies).
 Hugging Face's ``"auto"`` placeholders (its Trainer fills them in before DeepSpeed reads
 the config) are refused in one ConfigError naming every such key, except at
 zero_optimization's bucket sizes and stage-3 thresholds, where DeepSpeed reads ``"auto"`` as
@@ -212,7 +219,7 @@ _NOT_PROVIDED_OPTIMIZERS = {
 
 _WARMUP = {
     "warmup_min_lr": _num_or_list(0.0), "warmup_max_lr": _num_or_list(0.001),
-    "warmup_num_steps": _int(1000, 0), "warmup_type": _choice("log", "log", "linear"),
+    "warmup_num_steps": _int(1000, 1), "warmup_type": _choice("log", "log", "linear"),
     "last_batch_iteration": _int(-1, -1),
 }
 SCHEDULER_PARAMS = {
@@ -222,7 +229,7 @@ SCHEDULER_PARAMS = {
     "WarmupDecayLR": {**_WARMUP, "total_num_steps": _int(None, 1)},
     "WarmupCosineLR": {
         "total_num_steps": _int(None, 1), "warmup_min_ratio": _num(0.0, 0),
-        "warmup_num_steps": _int(1000, 0), "cos_min_ratio": _num(0.0001, 0),
+        "warmup_num_steps": _int(1000, 1), "cos_min_ratio": _num(0.0001, 0),
         "warmup_type": _choice("log", "log", "linear"), "last_batch_iteration": _int(-1, -1),
     },
     "OneCycle": {
@@ -298,9 +305,10 @@ _OFFLOAD_COMMON = {"device": _choice("none", "none", "cpu"), "pin_memory": _bool
 _OFFLOAD_PIPELINE = {"pipeline_read": _bool(), "pipeline_write": _bool()}
 
 SCHEMA: dict = {
-    "train_batch_size": _int(None, 1),
-    "train_micro_batch_size_per_gpu": _int(None, 1),
-    "gradient_accumulation_steps": _int(None, 1),
+    # null: not given (DeepSpeed's get_scalar_param), derived from the other two
+    "train_batch_size": _nullable(_int(None, 1)),
+    "train_micro_batch_size_per_gpu": _nullable(_int(None, 1)),
+    "gradient_accumulation_steps": _nullable(_int(None, 1)),
     # checked by _optimizer_spec: one of OPTIMIZER_TYPES (any case), and a clear refusal of
     # DeepSpeed's names shardkit does not build
     "optimizer": {"type": _str(), "params": "per optimizer type",
@@ -363,6 +371,17 @@ SCHEMA: dict = {
             "zero_optimization.zero_quantized_nontrainable_weights (frozen weights kept in "
             "int8)", "frozen weights stay in the model's dtype; zero_quantized_weights "
             "quantizes only the stage-3 all-gathers"),
+        # ZenFlow (DeepSpeed's offloaded optimizer stepping the important columns first and
+        # the rest later, asynchronously): changes the update, accepted only while absent
+        "zenflow": Field((dict, type(None)), None, lambda v: v is None,
+                         "null (shardkit does not implement DeepSpeed's ZenFlow; "
+                         "offload_optimizer steps every parameter each step)",
+                         refusal="is not supported"),
+        # stage-3 modules whose parameters DeepSpeed gathers at once, without per-submodule
+        # hooks (mixture-of-experts blocks): how it fetches, not what is computed; shardkit
+        # gathers per FSDP unit
+        "leaf_module": {key: Field((list, str), [])
+                        for key in ("classes", "names", "name_suffixes")},
     },
     "fp16": {
         "enabled": _bool(), "auto_cast": _bool(), "loss_scale": _num(0.0, 0),
@@ -487,6 +506,54 @@ SCHEMA: dict = {
                        "min_train_batch_size", "max_train_micro_batch_size_per_gpu",
                        "min_train_micro_batch_size_per_gpu", "num_tuning_micro_batch_sizes",
                        "mp_size")}},
+    # DeepSpeed's progressive layer drop (its engine passes each step's keep probability to
+    # the model's forward) and its Hessian eigenvalue estimate that drives it: while off
+    "progressive_layer_drop": {"enabled": _off("progressive_layer_drop", "drop layers in your "
+                                               "model's forward, or remove the section"),
+                               "theta": _num(1.0, 0), "gamma": _num(0.001, 0)},
+    "eigenvalue": {"enabled": _off("eigenvalue (Hessian eigenvalue estimation)",
+                                   "remove the section"),
+                   "verbose": _bool(), "max_iter": _int(100, 1), "tol": _num(1e-2, 0),
+                   "stability": _num(1e-6, 0), "gas_boundary_resolution": _int(1, 1),
+                   "layer_name": _str("bert.encoder.layer"), "layer_num": _int(0, 0)},
+    # DeepSpeed's DeepCompile (its compiler passes over the whole training step): while off;
+    # its options are read only when it is on
+    "compile": {"deepcompile": _off("compile.deepcompile", "torch.compile the model (its "
+                                    "wrapped blocks compile as they are)"),
+                **{key: "read only when enabled" for key in (
+                    "free_activation", "free_activation_threshold", "offload_activation",
+                    "offload_activation_pin_memory", "offload_opt_states", "double_buffer",
+                    "symmetric_memory", "debug_log", "offload_parameters",
+                    "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
+                    "sync_after_allgather", "keep_int_input_tensors",
+                    "keep_all_input_tensors", "passes")}},
+    # Azure's Nebula checkpoint service: while off
+    "nebula": {"enabled": _off("nebula (Azure's checkpoint service)", "save with "
+                               "engine.save_checkpoint"),
+               **{key: "read only when enabled" for key in (
+                   "enable_nebula_load", "nebula_load_path", "persistent_storage_path",
+                   "persistent_time_interval", "num_of_version_in_retention")}},
+    # DeepSpeed's throughput timer (a log line every steps_per_print steps): no effect here
+    "timers": {"throughput": {"enabled": _bool(True), "synchronized": _bool(True)}},
+    # false lets a script accumulate gradients its own way past DeepSpeed's engine; the engine
+    # here always accumulates over gradient_accumulation_steps
+    "managed_gradient_accumulation": Field(
+        (bool,), True, lambda v: v is True,
+        "true (shardkit's engine always accumulates gradients over "
+        "gradient_accumulation_steps itself)", refusal="is not supported"),
+    "disable_allgather": _off("disable_allgather", "OSS gathers the updated parameters after "
+                              "each step"),
+    # DeepSpeed's CUDA-graph capture of its ZeRO gradient copies: speed only, no effect here
+    "graph_harvesting": _bool(),
+    # the dtype of DeepSpeed's Ulysses sequence-parallel all-to-alls: no effect here
+    # (shardkit's sequence parallelism communicates in the activations' dtype)
+    "seq_parallel_communication_data_type": _nullable(_choice("fp32", *_COMM_DTYPES)),
+    # how DeepSpeed lays out its expert- and data-parallel groups (mixture of experts)
+    "use_data_before_expert_parallelism": _off("use_data_before_expert_parallelism",
+                                               "shardkit has no expert-parallel groups"),
+    # DeepSpeed's logger level, and the vocabulary size its profiling reads: no effect here
+    "log_level": Field((str, int, type(None)), None),
+    "vocabulary_size": _nullable(_int(None, 1)),
     # DeepSpeed's elastic batch size (chosen from the GPU count): accepted while off
     "elasticity": {"enabled": _off("elasticity (batch size chosen from the GPU count)",
                                    "set train_batch_size or train_micro_batch_size_per_gpu for "

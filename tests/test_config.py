@@ -309,3 +309,62 @@ def test_breakdown_switches_say_they_print_nothing():
                        "memory_breakdown": False}, 1)
     assert len(cfg.warnings) == 1 and "wall_clock_breakdown=true has no effect" in cfg.warnings[0]
     assert load_config({"train_batch_size": 2, "wall_clock_breakdown": False}, 1).warnings == ()
+
+
+def test_more_deepspeed_keys_at_their_defaults_or_off_are_accepted():
+    """Keys DeepSpeed reads (its constants.py, config.py, zero/config.py) at their defaults or
+    switched off: a config DeepSpeed takes is not refused as naming an unknown key."""
+    more = {"progressive_layer_drop": {"enabled": False, "theta": 0.5, "gamma": 0.001},
+            "eigenvalue": {"enabled": False, "max_iter": 50},
+            "timers": {"throughput": {"enabled": True, "synchronized": False}},
+            "compile": {"deepcompile": False, "offload_activation": False},
+            "nebula": {"enabled": False, "persistent_time_interval": 10},
+            "managed_gradient_accumulation": True, "disable_allgather": False,
+            "graph_harvesting": False, "seq_parallel_communication_data_type": "fp32",
+            "use_data_before_expert_parallelism": False, "log_level": "info",
+            "vocabulary_size": 50257,
+            "zero_optimization": {"stage": 3, "zenflow": None,
+                                  "leaf_module": {"classes": ["MixtralSparseMoeBlock"]}}}
+    plain = load_config({**SEED_CONFIG, "zero_optimization": {"stage": 3}}, 2)
+    cfg = load_config({**SEED_CONFIG, **more}, 2)
+    assert (cfg.zero, cfg.precision, cfg.optimizer, cfg.scheduler) == (
+        plain.zero, plain.precision, plain.optimizer, plain.scheduler)
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("progressive_layer_drop", {"enabled": True},
+     "progressive_layer_drop.enabled=True is not supported"),
+    ("compile", {"deepcompile": True}, "compile.deepcompile=True is not supported"),
+    ("managed_gradient_accumulation", False, "managed_gradient_accumulation=False is not "
+                                             "supported"),
+    ("zero_optimization", {"stage": 3, "zenflow": {"topk_ratio": 0.1}},
+     "zero_optimization.zenflow="),
+    ("use_data_before_expert_parallelism", True, "shardkit has no expert-parallel groups"),
+])
+def test_deepspeed_features_switched_on_are_refused_by_name(key, value, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        load_config({**SEED_CONFIG, key: value}, 2)
+
+
+@pytest.mark.parametrize("nulls, expected", [
+    ({"train_micro_batch_size_per_gpu": None, "gradient_accumulation_steps": None}, (8, 4, 1)),
+    ({"train_batch_size": None, "train_micro_batch_size_per_gpu": 2}, (8, 2, 2)),
+    ({"gradient_accumulation_steps": None, "train_micro_batch_size_per_gpu": 2}, (8, 2, 2)),
+])
+def test_a_null_batch_key_counts_as_not_given(nulls, expected):
+    # DeepSpeed reads each with param_dict.get(key, None): null is the same as absent
+    full = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2 if "train_batch_size" in nulls else 1}
+    config = {**SEED_CONFIG, **full, **nulls}
+    cfg = load_config(config, 2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == expected
+
+
+@pytest.mark.parametrize("scheduler", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_zero_warmup_steps_are_refused_as_deepspeed_does(scheduler):
+    params = {"warmup_num_steps": 0, "total_num_steps": 10}
+    if scheduler == "WarmupLR":
+        del params["total_num_steps"]
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps=0"):
+        load_config({**SEED_CONFIG, "scheduler": {"type": scheduler, "params": params}}, 2)

@@ -16,7 +16,9 @@ Same parameter names and the same numbers as ``deepspeed.runtime.lr_schedules`` 
 
 As in DeepSpeed, ``last_batch_iteration`` counts scheduler steps: it is -1 after construction
 (the optimizer then holds the schedule's starting lr) and ``k`` after ``k + 1`` calls to
-:meth:`step`. torch's ``last_epoch`` is ``last_batch_iteration + 1``. The schedules hold a few
+:meth:`step`; a schedule built with ``last_batch_iteration=k`` starts there and, as DeepSpeed's,
+leaves the optimizer's lr as it was until its first :meth:`step` (which sets iteration
+``k + 1``'s). torch's ``last_epoch`` is ``last_batch_iteration + 1``. The schedules hold a few
 floats per param group and issue no communication. ``state_dict()`` is torch's plus
 ``last_batch_iteration``; as in DeepSpeed, ``load_state_dict()`` restores only the position in
 the schedule, so a run resumed with a changed schedule (a longer ``total_num_steps``, another
@@ -49,9 +51,18 @@ class _IterationSchedule(LRScheduler):
         if not isinstance(last_batch_iteration, int) or last_batch_iteration < -1:
             raise ValueError(f"{type(self).__name__}(last_batch_iteration="
                              f"{last_batch_iteration!r}): must be an integer >= -1")
+        as_given = [(group["lr"], group.get("betas")) for group in optimizer.param_groups]
         super().__init__(optimizer)
         if last_batch_iteration != -1:
-            self.step(last_batch_iteration)
+            # DeepSpeed's rule: a schedule resumed at an iteration leaves each group's lr (and
+            # OneCycle's beta1) as the optimizer has it; its first step() sets the schedule's
+            self.last_epoch = last_batch_iteration + 1
+            self._step_count = last_batch_iteration + 2
+            self._last_lr = self.lrs_at(last_batch_iteration)
+            for group, (lr, betas) in zip(optimizer.param_groups, as_given):
+                group["lr"] = lr
+                if betas is not None:
+                    group["betas"] = betas
 
     @property
     def last_batch_iteration(self) -> int:
@@ -114,9 +125,9 @@ class _DeepSpeedSchedule(_IterationSchedule):
             raise ValueError(f"{name}(warmup_type={warmup_type!r}): valid types are "
                              f"{list(WARMUP_TYPES)}")
         if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
-                or warmup_num_steps < 0:
+                or warmup_num_steps < 1:
             raise ValueError(f"{name}(warmup_num_steps={warmup_num_steps!r}): must be an "
-                             f"integer >= 0")
+                             f"integer >= 1 (as DeepSpeed's)")
         # DeepSpeed's floor: log(1) would divide by zero below two steps.
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type

@@ -212,3 +212,22 @@ def test_lr_range_test_matches_deepspeed_formula_and_builds_from_a_config(stairc
     resumed.step(batch_iteration=10)  # DeepSpeed's keyword for LRRangeTest.step
     k = 11 // 3 if staircase else 11 / 3
     assert resumed.get_last_lr() == pytest.approx([0.01 * (1 + 2.0 * k), 0.02 * (1 + 2.0 * k)])
+
+
+def test_a_schedule_built_at_an_iteration_leaves_the_lr_until_its_first_step():
+    # DeepSpeed's schedules set the optimizer's lr at construction only when
+    # last_batch_iteration is -1: resumed at k, the first step runs at the optimizer's own lr
+    # and the scheduler's first step() sets iteration k + 1's
+    from shardkit.optim.lr_scheduler import OneCycle
+    s = WarmupLR(_optimizer(lr=0.01), warmup_min_lr=0.0, warmup_max_lr=0.05,
+                 warmup_num_steps=10, warmup_type="linear", last_batch_iteration=4)
+    assert s.last_batch_iteration == 4
+    assert _lrs(s, 3) == pytest.approx([0.01, 0.025, 0.03])
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.3, betas=(0.5, 0.9))
+    cycle = OneCycle(adam, cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=4,
+                     last_batch_iteration=2)
+    assert adam.param_groups[0]["lr"] == 0.3 and adam.param_groups[0]["betas"] == (0.5, 0.9)
+    cycle.step()
+    assert adam.param_groups[0]["lr"] == pytest.approx(1.0)  # iteration 3: the peak
+    with pytest.raises(ValueError, match=r"warmup_num_steps=0\): must be an integer >= 1"):
+        WarmupLR(_optimizer(), warmup_num_steps=0)
