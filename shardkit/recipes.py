@@ -260,6 +260,7 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
             sync_bucket_numel=sync_bucket_numel, step_in_backward=step_in_backward,
             reduce_to_owners=reduce_to_owners, reduce_dtype=reduce_dtype,
             find_unused_parameters=find_unused_parameters)
+        _refuse_group_mixing_tensor_slices(model, stage, process_group)
     except Exception as error:  # every rank must learn of it before any wrapper collective
         refusal = error
     if agree_across_ranks:
@@ -398,6 +399,23 @@ def check_composable(model: nn.Module, stage: int, optimizer: Optional[Optimizer
                          f"stages 2-3 reduce per parameter and need no search for unused ones")
     _check_master_weights(master_weights, stage, optimizer, step_in_backward)
     return reduce_dtype
+
+
+def _refuse_group_mixing_tensor_slices(model: nn.Module, stage: int, process_group) -> None:
+    """A ValueError when ``process_group`` holds several ranks of one tensor-parallel group of
+    the model's tensor-parallel layers: at stage 0 torch DDP's first broadcast would copy one
+    rank's slices over the others', and every stage would sum gradients of different slices.
+    Local (the caller agrees on the refusal)."""
+    params = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", False)]
+    if not params:
+        return
+    from shardkit.nn.model_parallel.initialize import tensor_parallel_mates
+    groups = list(process_group) if isinstance(process_group, tuple) else [process_group]
+    _, problem = tensor_parallel_mates(groups, params, f"compose(stage={stage})",
+                                       "the wrappers would copy and sum the slices into each "
+                                       "other")
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _check_master_weights(master_weights, stage: int, optimizer: Optional[OptimizerRecipe],

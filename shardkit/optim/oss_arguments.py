@@ -296,6 +296,22 @@ def check_same_model_on_every_rank(groups: list[dict], group, caller: str = "OSS
     return [set().union(*(held[g] for _, _, held in every)) for g in range(len(groups))]
 
 
+def refuse_tensor_parallel_mates(groups: list[dict], group) -> None:
+    """A ValueError when ``group`` holds several ranks of one tensor-parallel group of the
+    parameters' tensor-parallel layers (:func:`shardkit.nn.model_parallel.initialize.
+    tensor_parallel_mates`): they hold different slices of the same layers, which OSS's sync
+    would copy over each other. Local, no communication."""
+    params = [p for g in groups for p in g["params"]]
+    if not any(getattr(p, "tensor_model_parallel", False) for p in params):
+        return  # no model-parallel import for plain models
+    from shardkit.nn.model_parallel.initialize import tensor_parallel_mates
+    _, problem = tensor_parallel_mates([group], params, "OSS", "each owner's update would be "
+                                       "copied over the other ranks' slices, and gradients "
+                                       "of different slices summed", "group")
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def optimizer_settings(optim: type, defaults: dict, groups: list[dict]) -> dict:
     """``{name: text}`` of what steps every shard: the optimizer class, its constructor
     arguments and each param group's own hyper-parameters (as ``repr``, so that tensors and

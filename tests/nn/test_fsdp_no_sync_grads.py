@@ -327,3 +327,45 @@ def test_fsdp_over_ranks_of_one_tensor_parallel_group_is_refused_on_every_rank(w
             in refused, (rank, refused)
         assert "process_group=shardkit.nn.model_parallel.get_data_parallel_group()" in refused
         assert plain and grads > 0, (rank, plain, grads)
+
+
+def _data_parallel_wrappers_over_world_then_over_data_parallel_group() -> dict:
+    from shardkit.optim import OSS
+    from shardkit.recipes import OptimizerRecipe, compose
+    if mp.model_parallel_is_initialized():
+        mp.destroy_model_parallel()
+    mp.initialize_model_parallel(2)
+    out = {}
+    try:
+        for name, build in (
+                ("oss", lambda g: OSS(_tp_model().parameters(), optim=torch.optim.SGD, lr=0.1,
+                                      group=g)),
+                ("compose0", lambda g: compose(_tp_model(), 0, OptimizerRecipe(
+                    torch.optim.SGD, {"lr": 0.1}), process_group=g)),
+                ("compose2", lambda g: compose(_tp_model(), 2, OptimizerRecipe(
+                    torch.optim.SGD, {"lr": 0.1}), process_group=g))):
+            try:
+                build(None)
+                out[name] = None
+            except ValueError as error:
+                out[name] = str(error)
+            build(mp.get_data_parallel_group())  # the data-parallel group is fine
+        OSS(nn.Linear(8, 8).parameters(), optim=torch.optim.SGD, lr=0.1)  # a plain model: fine
+        return out
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_oss_and_compose_over_ranks_of_one_tensor_parallel_group_are_refused(world4):
+    # before: no error, and after one step the weights were up to 1.6 off one process: OSS
+    # broadcast each owner's slice over the other rank's, torch DDP (stage 0) its first
+    # broadcast, and the reductions summed gradients of different slices
+    for rank, refused in enumerate(world4.run(
+            _data_parallel_wrappers_over_world_then_over_data_parallel_group)):
+        for name, text in refused.items():
+            # compose's agreed refusal is rank 0's on every rank: it names rank 0's mates
+            mates = [0, 1] if rank < 2 or name != "oss" else [2, 3]
+            assert text is not None and f"holds ranks {mates} of one tensor-parallel group" \
+                in text, (rank, name, text)
+            argument = "group" if name == "oss" else "process_group"
+            assert f"{argument}=shardkit.nn.model_parallel.get_data_parallel_group()" in text

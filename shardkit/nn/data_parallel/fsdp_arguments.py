@@ -429,25 +429,9 @@ def _refuse_sharded(name: str, params, is_sharded, module: torch.nn.Module) -> N
 
 
 def tensor_parallel_mates(process_groups: list, params) -> tuple:
-    """``(mates, problem)``: how many ranks of this rank's tensor-parallel group the groups in
-    ``process_groups`` (``None``: the default group) hold at most, when the unit has
-    tensor-parallel parameters (``tensor_model_parallel``, set by shardkit's and Megatron's
-    layers; 1 otherwise), and the error to raise when that is more than one. Such ranks hold
-    different slices of the same layers: FSDP's shards would mix them, and its reductions
-    would sum gradients of different slices, silently. Local (the groups the layers were
-    built with); the caller agrees on ``mates`` over its groups, so every rank raises alike."""
-    split = [p for p in params if getattr(p, "tensor_model_parallel", False)]
-    if not split:
-        return 1, None
-    from shardkit.nn.model_parallel.initialize import groups_of
-    tensor_ranks = set(groups_of(split, "FullyShardedDataParallel").tensor_ranks)
-    shared = max((sorted(tensor_ranks & set(skdist.group_ranks(group)))
-                  for group in process_groups), key=len)
-    if len(shared) < 2:
-        return 1, None
-    return len(shared), (
-        f"FullyShardedDataParallel: its process group holds ranks {shared} of one "
-        f"tensor-parallel group, and the unit has tensor-parallel parameters (layers split "
-        f"across those ranks, e.g. ColumnParallelLinear): each of them holds a different slice "
-        f"of the same layers, so the shards would mix them. Shard over the data-parallel group "
-        f"instead: process_group=shardkit.nn.model_parallel.get_data_parallel_group()")
+    """FSDP's ``(mates, problem)`` (:func:`shardkit.nn.model_parallel.initialize.
+    tensor_parallel_mates`): its shards would mix the slices of ranks of one tensor-parallel
+    group. Local."""
+    from shardkit.nn.model_parallel.initialize import tensor_parallel_mates as mates_in
+    return mates_in(process_groups, params, "FullyShardedDataParallel",
+                    "the shards would mix them")

@@ -280,6 +280,32 @@ def groups_of(tagged, what: str) -> _Groups:
     return next(iter(found.values())) if found else _groups(what)
 
 
+def tensor_parallel_mates(process_groups: list, params, caller: str, consequence: str,
+                          argument: str = "process_group") -> tuple:
+    """``(mates, problem)``: how many ranks of this rank's tensor-parallel group the groups in
+    ``process_groups`` (``None``: the default group) hold at most, when ``params`` hold
+    tensor-parallel parameters (``tensor_model_parallel``, set by shardkit's and Megatron's
+    layers; 1 otherwise), and the error to raise when that is more than one: such ranks hold
+    different slices of the same layers, and a data-parallel wrapper over them would mix the
+    slices silently (``consequence`` says how; ``caller`` and ``argument`` name the wrapper
+    and its group argument). Local (the groups the layers were built with); a caller agrees
+    on ``mates`` over its groups before raising, so that every rank raises alike."""
+    split = [p for p in params if getattr(p, "tensor_model_parallel", False)]
+    if not split:
+        return 1, None
+    tensor_ranks = set(groups_of(split, caller).tensor_ranks)
+    shared = max((sorted(tensor_ranks & set(distributed.group_ranks(group)))
+                  for group in process_groups), key=len)
+    if len(shared) < 2:
+        return 1, None
+    return len(shared), (
+        f"{caller}: its process group holds ranks {shared} of one tensor-parallel group, and "
+        f"the model has tensor-parallel parameters (layers split across those ranks, e.g. "
+        f"ColumnParallelLinear): each of them holds a different slice of the same layers, so "
+        f"{consequence}. Build it over the data-parallel group instead: {argument}="
+        f"shardkit.nn.model_parallel.get_data_parallel_group()")
+
+
 def _groups(what: str) -> _Groups:
     groups = _current_groups()
     if groups is None:
