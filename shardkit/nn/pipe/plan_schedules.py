@@ -128,6 +128,18 @@ _LOOKAHEAD = 4
 _REPLAN_AT = 2  # training steps; the first's timings include one-off costs (allocation, autograd)
 
 
+_MODES_AGREEMENT = dist.control_kind("the pipeline stages' trainable parameters and autocast")
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    """Whether autocast is on for ``device``'s type, and its dtype: what an output's dtype
+    follows from beside the inputs'. Local."""
+    try:
+        return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+    except (TypeError, AttributeError):  # torch releases before 2.4 take no device type
+        return torch.is_autocast_enabled(), None
+
+
 class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses,
                    StepOutputs, StageMessages, StageBackward):
     """Runs this rank's part of a :class:`PipelinePlan` over its :class:`PipelineStage` objects.
@@ -317,6 +329,7 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
         # communicating over replicas in such a step}, learnt at the first step's agreement
         self._pipeline_shards: dict = {}
         self._signature = None  # the first stage's last batch_signature
+        self._stage_modes = None  # this rank's stages' trainable parameters and autocast, last step
         self._losses_arg, self._kwargs_arg = None, {}  # this step's losses list and kwargs
         self._return_outputs, self._loss_kwargs = None, None  # and its torch-style options
         self._outputs: list = []  # the last stage's outputs, kept under return_outputs=True
@@ -439,6 +452,7 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
         self._return_outputs, self._loss_kwargs = return_outputs, loss_kwargs
         try:
             grad = torch.is_grad_enabled()
+            self._forget_shapes_if_a_stage_changed_mode()
             if not self._checked or (grad and not self._replicas_checked):
                 self._check_first_step(inputs, target, grad)
             else:
@@ -503,6 +517,29 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
             return StepState(StepState.SAME, grad)
         self._signature = signature
         return StepState(StepState.NEW, grad)
+
+    def _forget_shapes_if_a_stage_changed_mode(self) -> None:
+        """With several stages per rank, whose headers go only when the first stage's rank
+        finds a new batch (:meth:`_first_stage_state`): when some rank's stages changed which
+        of their parameters train (a layer frozen or unfrozen: an output now requires grad, or
+        no longer) or the autocast state (an output's dtype) since the last step, every rank
+        forgets the headers, as after a failed step, and the step announces its outputs again
+        (before, the step failed on every rank: "expected an output of float32 (2, 8) ...
+        found float32 (2, 8) requiring grad"). With one stage per rank a stage announces its
+        changed outputs itself. One control all-gather of a flag per step (uncounted); the
+        parameters' ``requires_grad`` read locally."""
+        if self.links.reannounce:
+            return
+        device = next(iter(self.stages.values())).device
+        modes = (tuple(p.requires_grad for stage in self.stages.values()
+                       for p in stage.module.parameters()), _autocast_state(device))
+        changed, self._stage_modes = modes != self._stage_modes, modes
+        if not self._checked:
+            return  # the first step (or the one after a failure) announces every output
+        rows = dist.gather_control_rows(f"{type(self).__name__}.step", [int(changed)],
+                                        self.group, kind=_MODES_AGREEMENT)
+        if any(row[0] for row in rows):
+            self._forget_shapes()
 
     def _prepare_step(self) -> None:
         self._live: dict = {}      # (stage, i) -> (inputs, roots)
