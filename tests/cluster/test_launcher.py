@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -50,10 +51,13 @@ def _run_cluster_alone(environ, command, **kwargs):
 
 
 # one shell line per rank: what it can see of its node (shm: files in /dev/shm other than the
-# node's own marks: a fresh tmpfs has none), then an exit status chosen by rank
+# node's own marks: a fresh tmpfs has none), then an exit status chosen by rank. The marks are
+# named for this run only: the host's /dev/shm is checked for them alone, not for another
+# job's files
+_MARK = f"shardkit-test-mark-{uuid.uuid4().hex[:12]}-"
 _PROBE = ("echo probe rank=$RANK group=$GROUP_RANK lws=$LOCAL_WORLD_SIZE host=$(hostname) "
-          "if=$GLOO_SOCKET_IFNAME shm=$(ls /dev/shm | grep -vc ^mark-); touch /dev/shm/mark-$RANK; "
-          "[ $RANK -eq 3 ] && exit 3; exit 0")
+          f"if=$GLOO_SOCKET_IFNAME shm=$(ls /dev/shm | grep -vc ^{_MARK}); "
+          f"touch /dev/shm/{_MARK}$RANK; [ $RANK -eq 3 ] && exit 3; exit 0")
 
 
 def test_parse_link_rate():
@@ -105,7 +109,7 @@ def test_nodes_are_separate_and_worst_status_returned_and_nothing_left(launched)
         "[node 1] probe rank=3 group=1 lws=2 host=node1 if=node1 shm=0",
     ]), out
     assert got["leftovers"] == []  # of the process that called run_cluster
-    assert not any(name.startswith("mark-") for name in os.listdir("/dev/shm"))
+    assert not any(name.startswith(_MARK) for name in os.listdir("/dev/shm"))
 
 
 def _start_sleeping_cluster(environ, nodes=3):
