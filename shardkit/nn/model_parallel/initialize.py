@@ -288,8 +288,9 @@ def tensor_parallel_mates(process_groups: list, params, caller: str, consequence
     layers; 1 otherwise), and the error to raise when that is more than one: such ranks hold
     different slices of the same layers, and a data-parallel wrapper over them would mix the
     slices silently (``consequence`` says how; ``caller`` and ``argument`` name the wrapper
-    and its group argument). Local (the groups the layers were built with); a caller agrees
-    on ``mates`` over its groups before raising, so that every rank raises alike."""
+    and its group argument). Local (the groups the layers were built with): FSDP agrees on
+    ``mates`` over its groups before raising and ``compose`` on its refusal; OSS raises at
+    once (every rank of such a group holds such layers alike)."""
     split = [p for p in params if getattr(p, "tensor_model_parallel", False)]
     if not split:
         return 1, None

@@ -168,7 +168,8 @@ class StageBackward:
         a BatchNorm inside it counted as many). B and W are separate parts (they read some of
         the same saved tensors, which one group refuses), so a split backward recomputes twice
         where one process's recomputes once. A group the caller opened around ``step()`` is
-        left to serve (groups do not nest); torch releases before 2.10 have none."""
+        left to serve (groups do not nest); older torch releases, without the class, keep
+        the recomputation per autograd call."""
         if _GraphExecGroup is None or torch._C._get_graph_exec_group() is not None:
             return contextlib.nullcontext()
         return _GraphExecGroup()
