@@ -49,6 +49,7 @@ import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["backward_input", "WeightGradPass", "GradientSink", "ENOUGH_ROWS", "PASS_THROUGH"]
@@ -183,9 +184,10 @@ class WeightGradPass:
             raise RuntimeError("WeightGradPass.run: this W pass already ran")
         out: dict = {}
         # read the products' inputs before the generic groups free the graph
-        parts = [(w, b, _product_input(node), self._recorded[node][0])
-                 for node, w, b in self._products if self._recorded.get(node, (None,))[0]
-                 is not None]
+        with _recomputing_once():
+            parts = [(w, b, _product_input(node), self._recorded[node][0])
+                     for node, w, b in self._products if self._recorded.get(node, (None,))[0]
+                     is not None]
         if products is not None:
             products.extend(parts)
         elif into_grad:
@@ -200,9 +202,13 @@ class WeightGradPass:
         # a group with several frontier nodes walks the input path between them, through other
         # groups' frontier nodes: keep every buffer until the last group has run
         retain = any(len(frontier) > 1 for frontier, _ in self._groups)
-        for k, (frontier, params) in enumerate(self._groups):
-            with around_group(k) if around_group is not None else contextlib.nullcontext():
-                self._run_group(frontier, params, recorded, into_grad, retain, out)
+        # without a retained graph the groups' calls run disjoint nodes: one recomputation
+        # serves them all; with one, a node may run in several calls (each recomputes)
+        with _recomputing_once() if not retain else contextlib.nullcontext():
+            for k, (frontier, params) in enumerate(self._groups):
+                with around_group(k) if around_group is not None else \
+                        contextlib.nullcontext():
+                    self._run_group(frontier, params, recorded, into_grad, retain, out)
         self._groups = self._recorded = self._root_grads = self._products = None
         self._input_side = set()
         return out
@@ -233,6 +239,23 @@ class WeightGradPass:
         for p, g in zip(params, got):
             if g is not None:
                 out[p] = g if p not in out else out[p] + g
+
+
+_GraphExecGroup = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+
+
+def _recomputing_once():
+    """A fresh ``torch.utils.checkpoint.GraphExecGroup``, or nothing where one is open
+    already (the caller's, around ``step()``: groups do not nest) or torch has none (older
+    releases). Inside it a non-reentrant activation checkpoint recomputes its region once for
+    every autograd call and saved-tensor read made there, where each recomputed it again (W
+    made one call per group of parameters and read each matrix product's saved input: 5
+    forwards of a checkpointed block per micro-batch). What is read in one group must be
+    read once: the products' inputs and the generic groups' calls each get their own, and B
+    (one call) none."""
+    if _GraphExecGroup is None or torch._C._get_graph_exec_group() is not None:
+        return contextlib.nullcontext()
+    return _GraphExecGroup()
 
 
 _PRODUCTS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self",

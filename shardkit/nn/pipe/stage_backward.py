@@ -13,7 +13,6 @@ import contextlib
 from typing import Callable, Optional
 
 import torch
-import torch.utils.checkpoint
 
 from shardkit.nn.data_parallel.flat_param import zeros_only_views
 from shardkit.nn.pipe.autograd_graph import _reached, _reaches_a_parameter
@@ -23,7 +22,6 @@ from shardkit.nn.pipe.split_backward import backward_input
 from shardkit.nn.pipe.stage import PipelineStage
 
 _FAILED = object()  # a stage forward or backward that raised (the step fails)
-_GraphExecGroup = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
 
 
 def _reentrant_checkpoint_hint(error: BaseException) -> str:
@@ -158,22 +156,6 @@ class StageBackward:
         self._batch_grads = []
         torch.autograd.backward(list(views), list(grads))
 
-    @staticmethod
-    def _recomputing_once():
-        """A fresh ``torch.utils.checkpoint.GraphExecGroup`` around one backward part (a BW, a
-        B, a W): a non-reentrant activation checkpoint in the stage then recomputes its region
-        once for that part, however many autograd calls it makes (W calls one per group of
-        parameters, and reads the saved inputs of its matrix products outside any call, which
-        recomputed the region each time: 5 forwards of a checkpointed block per micro-batch, and
-        a BatchNorm inside it counted as many). B and W are separate parts (they read some of
-        the same saved tensors, which one group refuses), so a split backward recomputes twice
-        where one process's recomputes once. A group the caller opened around ``step()`` is
-        left to serve (groups do not nest); older torch releases, without the class, keep
-        the recomputation per autograd call."""
-        if _GraphExecGroup is None or torch._C._get_graph_exec_group() is not None:
-            return contextlib.nullcontext()
-        return _GraphExecGroup()
-
     def _backward(self, s: int, i: Optional[int], run: Callable,
                   what: str = "handing the weight gradients to the parameters"):
         """``run()``, a backward part of stage ``s`` on micro-batch ``i`` (``None``: ``what``,
@@ -183,7 +165,7 @@ class StageBackward:
         ``_FAILED``. Communication errors propagate at once, and so does any exception in a
         stage that reduces gradients inside backward (see ``_reduces_during_backward``)."""
         try:
-            with self._busy(), self._recomputing_once():
+            with self._busy():
                 return run()
         except COMMUNICATION_ERRORS:
             raise
