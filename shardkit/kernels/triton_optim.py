@@ -35,17 +35,20 @@ BLOCK = interpreter_block(1024)
 
 
 @triton.jit
-def _adamw_math(p, g, m, v, vmax, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+def _adamw_math(p, g, m, v, vmax, step_size, bc2_sqrt, lr, c1, beta2, c2, eps, weight_decay,
                 DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr):
-    """One AdamW/Adam update on fp32 registers; returns (p, m, v, vmax)."""
+    """One AdamW/Adam update on fp32 registers; returns (p, m, v, vmax). ``c1``, ``c2``:
+    ``1 - beta1`` and ``1 - beta2``, computed on the host in double precision (a compiled
+    kernel gets a Python float as fp32, and ``1.0 - beta2`` taken in fp32 loses most of its
+    digits near 1: 1.3% off at beta2 = 0.999999)."""
     if MAXIMIZE:
         g = -g
     if DECOUPLED:
         p = p * (1.0 - lr * weight_decay)
     else:
         g = g + weight_decay * p
-    m = m + (1.0 - beta1) * (g - m)
-    v = beta2 * v + (1.0 - beta2) * g * g
+    m = m + c1 * (g - m)
+    v = beta2 * v + c2 * g * g
     if AMSGRAD:
         # NaN-propagating, as torch.maximum in torch.optim.AdamW: a NaN/inf gradient leaves a
         # NaN max (the default max keeps the stale finite one, as torch's fused kernels do)
@@ -67,7 +70,7 @@ def _live_mask(offs, n, found_inf_ptr, HAS_INF: tl.constexpr):
 
 @triton.jit
 def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, lp_ptr, offs, mask, step_size, bc2_sqrt,
-                 lr, beta1, beta2, eps, weight_decay, scale_ptr,
+                 lr, c1, beta2, c2, eps, weight_decay, scale_ptr,
                  DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LP: tl.constexpr):
     """Load one block, update it, store it back (``mask`` selects the live elements)."""
@@ -82,8 +85,8 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, lp_ptr, offs, mask, step_
         # torch's fused AdamW leaves the unscaled gradient in the grad buffer; so do we.
         g = g / tl.load(scale_ptr)
         tl.store(g_ptr + offs, cast_to(g, g_ptr.dtype.element_ty), mask=mask)
-    p, m, v, vmax = _adamw_math(p, g, m, v, vmax, step_size, bc2_sqrt, lr, beta1, beta2, eps,
-                                weight_decay, DECOUPLED, AMSGRAD, MAXIMIZE)
+    p, m, v, vmax = _adamw_math(p, g, m, v, vmax, step_size, bc2_sqrt, lr, c1, beta2, c2,
+                                eps, weight_decay, DECOUPLED, AMSGRAD, MAXIMIZE)
     stored = cast_to(p, p_ptr.dtype.element_ty)
     tl.store(p_ptr + offs, stored, mask=mask)
     tl.store(m_ptr + offs, cast_to(m, m_ptr.dtype.element_ty), mask=mask)
@@ -98,20 +101,20 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, lp_ptr, offs, mask, step_
 
 @triton.jit
 def _adamw_flat_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, lp_ptr, n, step_size, bc2_sqrt,
-                       lr, beta1, beta2, eps, weight_decay, scale_ptr, found_inf_ptr,
+                       lr, c1, beta2, c2, eps, weight_decay, scale_ptr, found_inf_ptr,
                        DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                        HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_LP: tl.constexpr,
                        BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = _live_mask(offs, n, found_inf_ptr, HAS_INF)
     _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, lp_ptr, offs, mask, step_size, bc2_sqrt,
-                 lr, beta1, beta2, eps, weight_decay, scale_ptr,
+                 lr, c1, beta2, c2, eps, weight_decay, scale_ptr,
                  DECOUPLED, AMSGRAD, MAXIMIZE, HAS_SCALE, HAS_LP)
 
 
 @triton.jit
 def _adamw_many_kernel(addr_table, numels, step_sizes, bc2_sqrts, block_tensor, block_start,
-                       n_tensors, lr, beta1, beta2, eps, weight_decay, scale_ptr, found_inf_ptr,
+                       n_tensors, lr, c1, beta2, c2, eps, weight_decay, scale_ptr, found_inf_ptr,
                        P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
                        DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                        HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr):
@@ -126,12 +129,12 @@ def _adamw_many_kernel(addr_table, numels, step_sizes, bc2_sqrts, block_tensor, 
     v_ptr = tl.load(addr_table + 3 * n_tensors + t).to(tl.pointer_type(P_DTYPE))
     vmax_ptr = tl.load(addr_table + 4 * n_tensors + t).to(tl.pointer_type(P_DTYPE))
     _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, p_ptr, offs, mask,
-                 tl.load(step_sizes + t), tl.load(bc2_sqrts + t), lr, beta1, beta2, eps,
+                 tl.load(step_sizes + t), tl.load(bc2_sqrts + t), lr, c1, beta2, c2, eps,
                  weight_decay, scale_ptr, DECOUPLED, AMSGRAD, MAXIMIZE, HAS_SCALE, False)
 
 
 @triton.jit
-def _sgd_flat_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, dampening, weight_decay,
+def _sgd_flat_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, undamped, weight_decay,
                      scale_ptr, found_inf_ptr, HAS_MOMENTUM: tl.constexpr,
                      FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr):
@@ -150,7 +153,7 @@ def _sgd_flat_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, dampening, weight_d
             buf = g
         else:
             buf = widen(tl.load(buf_ptr + offs, mask=mask, other=0.0))
-            buf = momentum * buf + (1.0 - dampening) * g
+            buf = momentum * buf + undamped * g  # undamped: 1 - dampening, from the host
         tl.store(buf_ptr + offs, cast_to(buf, buf_ptr.dtype.element_ty), mask=mask)
         if NESTEROV:
             g = g + momentum * buf
@@ -184,7 +187,7 @@ def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         param, grad, exp_avg, exp_avg_sq,
         max_exp_avg_sq if amsgrad else exp_avg_sq,
         low_precision_out if low_precision_out is not None else param,
-        n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+        n, step_size, bc2_sqrt, lr, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
         grad_scale if grad_scale is not None else param,
         found_inf if found_inf is not None else param,
         DECOUPLED=decoupled, AMSGRAD=amsgrad, MAXIMIZE=maximize,
@@ -236,7 +239,8 @@ def adamw_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             host_table(addresses, torch.int64, device), host_table(numels, torch.int64, device),
             host_table([c[0] for c in corrections], torch.float32, device),
             host_table([c[1] for c in corrections], torch.float32, device),
-            block_tensor, block_start, len(idx), lr, beta1, beta2, eps, weight_decay,
+            block_tensor, block_start, len(idx), lr, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+            weight_decay,
             grad_scale if grad_scale is not None else params[idx[0]],
             found_inf if found_inf is not None else params[idx[0]],
             P_DTYPE=TL_DTYPES[p_dtype], G_DTYPE=TL_DTYPES[g_dtype],
@@ -255,7 +259,7 @@ def sgd(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch
         return
     _sgd_flat_kernel[_grid(n)](
         param, grad, momentum_buffer if momentum_buffer is not None else param, n,
-        lr, momentum, dampening, weight_decay,
+        lr, momentum, 1.0 - dampening, weight_decay,
         grad_scale if grad_scale is not None else param,
         found_inf if found_inf is not None else param,
         HAS_MOMENTUM=bool(momentum), FIRST_STEP=first_step, NESTEROV=nesterov,

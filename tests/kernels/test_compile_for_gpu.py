@@ -46,7 +46,7 @@ def _compile_all() -> None:
     from shardkit.kernels import triton_optim, triton_packing, triton_quantize
 
     f32 = "*fp32"
-    scalars = dict(lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", weight_decay="fp32")
+    scalars = dict(lr="fp32", c1="fp32", beta2="fp32", c2="fp32", eps="fp32", weight_decay="fp32")
     flags = dict(DECOUPLED=True, AMSGRAD=True, MAXIMIZE=True, HAS_SCALE=True, HAS_INF=True)
     for grad, low in (("*fp32", "*bf16"), ("*bf16", "*fp16")):
         signature = dict(p_ptr=f32, g_ptr=grad, m_ptr=f32, v_ptr=f32, vmax_ptr=f32, lp_ptr=low,
@@ -64,7 +64,7 @@ def _compile_all() -> None:
     _compile(triton_optim._adamw_many_kernel, signature, constexprs)
 
     signature = dict(p_ptr=f32, g_ptr="*bf16", buf_ptr=f32, n="i64", lr="fp32",
-                     momentum="fp32", dampening="fp32", weight_decay="fp32", scale_ptr=f32,
+                     momentum="fp32", undamped="fp32", weight_decay="fp32", scale_ptr=f32,
                      found_inf_ptr=f32)
     constexprs = dict(HAS_MOMENTUM=True, FIRST_STEP=False, NESTEROV=True, MAXIMIZE=True,
                       HAS_SCALE=True, HAS_INF=True, BLOCK=triton_optim.BLOCK)

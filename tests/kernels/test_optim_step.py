@@ -281,3 +281,47 @@ def test_sgd_step_low_and_double_precision_params(backend, dtype):
     tol = 1e-12 if dtype == torch.float64 else 0
     torch.testing.assert_close(buf, expected_buf.to(dtype), rtol=tol, atol=tol)
     torch.testing.assert_close(p, expected_p.to(dtype), rtol=tol, atol=tol)
+
+
+class _FloatArgumentsAsCompiled:
+    """A Triton kernel whose Python-float arguments reach the interpreter as fp32 scalars, as a
+    compiled kernel gets them (Triton types a Python float argument fp32); the interpreter
+    otherwise keeps them as Python doubles."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime.interpreter import TensorHandle
+
+        def as_fp32(x):
+            return tl.tensor(TensorHandle(np.array([x], dtype=np.float32), tl.float32),
+                             tl.float32) if type(x) is float else x
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*[as_fp32(x) for x in args], **kwargs)
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.999999])
+def test_adamw_kernels_take_one_minus_beta_from_the_host(monkeypatch, beta2):
+    # before: 1.0 - beta2 was taken inside the kernel, in fp32 on a GPU: exp_avg_sq 1.3% off
+    # torch's at beta2 = 0.999999 (the interpreter computed it in double and hid it)
+    pytest.importorskip("triton.runtime.interpreter")
+    from shardkit.kernels import triton_optim
+    monkeypatch.setenv("SHARDKIT_KERNELS", "triton")
+    for name in ("_adamw_flat_kernel", "_adamw_many_kernel"):
+        monkeypatch.setattr(triton_optim, name,
+                            _FloatArgumentsAsCompiled(getattr(triton_optim, name)))
+    torch.manual_seed(0)
+    g = torch.randn(4096)
+    expected = (1 - beta2) * g.double() ** 2
+    p, m, v = torch.zeros(4096), torch.zeros(4096), torch.zeros(4096)
+    adamw_step(p, g, m, v, step=1, lr=1e-3, beta1=0.999, beta2=beta2, eps=1e-8,
+               weight_decay=0.0)
+    assert (v.double() / expected).sub(1).abs().max() < 1e-6
+    assert (m.double() / (1e-3 * g.double())).sub(1).abs().max() < 1e-6  # 1 - beta1 too
+    vs = [torch.zeros(4096)]
+    adamw_step_many([torch.zeros(4096)], [g], [torch.zeros(4096)], vs, steps=[1], lr=1e-3,
+                    beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0)
+    assert (vs[0].double() / expected).sub(1).abs().max() < 1e-6
