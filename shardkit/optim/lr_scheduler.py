@@ -51,18 +51,19 @@ class _IterationSchedule(LRScheduler):
         if not isinstance(last_batch_iteration, int) or last_batch_iteration < -1:
             raise ValueError(f"{type(self).__name__}(last_batch_iteration="
                              f"{last_batch_iteration!r}): must be an integer >= -1")
-        as_given = [(group["lr"], group.get("betas")) for group in optimizer.param_groups]
+        # values, not the objects: torch's first step below fills a tensor lr in place
+        as_given = [(float(group["lr"]), group.get("betas")) for group in optimizer.param_groups]
         super().__init__(optimizer)
         if last_batch_iteration != -1:
             # DeepSpeed's rule: a schedule resumed at an iteration leaves each group's lr (and
             # OneCycle's beta1) as the optimizer has it; its first step() sets the schedule's
             self.last_epoch = last_batch_iteration + 1
             self._step_count = last_batch_iteration + 2
-            self._last_lr = self.lrs_at(last_batch_iteration)
             for group, (lr, betas) in zip(optimizer.param_groups, as_given):
-                group["lr"] = lr
+                _set_lr(group, lr)
                 if betas is not None:
                     group["betas"] = betas
+            self._last_lr = [lr for lr, _ in as_given]  # the lrs in effect until step()
 
     @property
     def last_batch_iteration(self) -> int:

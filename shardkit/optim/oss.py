@@ -235,10 +235,9 @@ class OSS(torch.optim.Optimizer, Joinable):
         # local (no collective), so that bad hyper-parameters fail before any collective starts
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._build_local_optimizer(groups)
-        # local, before any collective: every rank of such a group holds such layers
-        args.refuse_tensor_parallel_mates(groups, group)
         frozen_with_gradient = args.check_same_model_on_every_rank(
-            groups, group, settings=args.optimizer_settings(optim, ctor_kwargs, groups))
+            groups, group, settings=args.optimizer_settings(optim, ctor_kwargs, groups),
+            refusal=args.tensor_parallel_refusal(groups, group))
         if any(frozen_with_gradient):  # rare: known only now, after the agreement
             self._frozen_members = _items_of(groups, frozen_with_gradient)
             self._plan = self._plan_stepped(groups, frozen_with_gradient)

@@ -265,51 +265,58 @@ SAME_MODEL_ADVICE = ("build OSS over the same model, in the same order, with the
 
 def check_same_model_on_every_rank(groups: list[dict], group, caller: str = "OSS",
                                    advice: str = SAME_MODEL_ADVICE,
-                                   settings: Optional[dict] = None) -> list[set]:
+                                   settings: Optional[dict] = None,
+                                   refusal: Optional[str] = None) -> list[set]:
     """One small all-gather: every rank must partition the same parameters, the same items of
     the same param groups with the same shapes, or the sync would write one parameter's values
     into another (silently when their shapes match: two layers of one width, one frozen on
     each rank) or abort inside the collective library. With ``settings`` (``{name: text}``,
     from :func:`optimizer_settings`), every rank must also hold the same ones, or each shard
-    would be stepped by another rule and the replicas drift apart silently. ``caller`` and
-    ``advice`` word the ValueError, raised on every rank alike.
+    would be stepped by another rule and the replicas drift apart silently. ``refusal``: this
+    rank's own reason to refuse (:func:`tensor_parallel_refusal`), raised on every rank when
+    any rank has one. ``caller`` and ``advice`` word the ValueError, raised on every rank alike.
 
     Returns, per param group, the set of item indices frozen (``requires_grad=False``) that
     still hold a gradient on some rank (:func:`frozen_with_gradient`), the same on every rank:
     torch's optimizers step them (a frozen layer's zeroed gradient still meets weight decay and
     momentum), so OSS partitions them too. Communication: the trainable items' indices and
     shapes (and the settings, and those frozen items' indices) of every rank, once."""
-    mine = (trainable_signature(groups), settings or {}, frozen_with_gradient(groups))
+    mine = (trainable_signature(groups), settings or {}, frozen_with_gradient(groups), refusal)
     every = distributed.all_gather_object(mine, group=group)
     me = distributed.get_rank(group)
+    refused = [(r, text) for r, (*_, text) in enumerate(every) if text is not None]
+    if refused:
+        r, text = refused[0]
+        raise ValueError(refusal if refusal is not None else
+                         f"{caller}: rank {r} of the group refused: {text}")
     for r, (theirs, *_) in enumerate(every):
         if theirs != mine[0]:
             raise ValueError(f"{caller}: rank {r} of the group has different trainable parameters "
                              f"from rank {me}: {_first_difference(theirs, mine[0], r, me)}; every "
                              f"rank must {advice}")
-    found = distributed.first_difference([s for _, s, _ in every])  # the same on every rank
+    found = distributed.first_difference([s for _, s, _, _ in every])  # alike on every rank
     if found is not None:
         name, first, r, theirs = found
         raise ValueError(f"{caller}: {name} is {first} on rank 0 of the group and {theirs} on "
                          f"rank {r}; every rank must build {caller} with the same optimizer "
                          f"class and hyper-parameters")
-    return [set().union(*(held[g] for _, _, held in every)) for g in range(len(groups))]
+    return [set().union(*(held[g] for _, _, held, _ in every)) for g in range(len(groups))]
 
 
-def refuse_tensor_parallel_mates(groups: list[dict], group) -> None:
-    """A ValueError when ``group`` holds several ranks of one tensor-parallel group of the
-    parameters' tensor-parallel layers (:func:`shardkit.nn.model_parallel.initialize.
-    tensor_parallel_mates`): they hold different slices of the same layers, which OSS's sync
-    would copy over each other. Local, no communication."""
+def tensor_parallel_refusal(groups: list[dict], group) -> Optional[str]:
+    """Why OSS over ``group`` must be refused, or ``None``: ``group`` holds several ranks of one
+    tensor-parallel group of the parameters' tensor-parallel layers
+    (:func:`shardkit.nn.model_parallel.initialize.tensor_parallel_mates`), which hold different
+    slices of the same layers that OSS's sync would copy over each other. Local; the caller
+    raises it on every rank through its agreement (:func:`check_same_model_on_every_rank`), as
+    a rank of the group without such layers would otherwise wait there."""
     params = [p for g in groups for p in g["params"]]
     if not any(getattr(p, "tensor_model_parallel", False) for p in params):
-        return  # no model-parallel import for plain models
+        return None  # no model-parallel import for plain models
     from shardkit.nn.model_parallel.initialize import tensor_parallel_mates
-    _, problem = tensor_parallel_mates([group], params, "OSS", "each owner's update would be "
-                                       "copied over the other ranks' slices, and gradients "
-                                       "of different slices summed", "group")
-    if problem is not None:
-        raise ValueError(problem)
+    return tensor_parallel_mates([group], params, "OSS", "each owner's update would be copied "
+                                 "over the other ranks' slices, and gradients of different "
+                                 "slices summed", "group")[1]
 
 
 def optimizer_settings(optim: type, defaults: dict, groups: list[dict]) -> dict:

@@ -369,3 +369,38 @@ def test_oss_and_compose_over_ranks_of_one_tensor_parallel_group_are_refused(wor
                 in text, (rank, name, text)
             argument = "group" if name == "oss" else "process_group"
             assert f"{argument}=shardkit.nn.model_parallel.get_data_parallel_group()" in text
+
+
+def _refusal_on_some_ranks_and_megatron_marks_without_groups() -> dict:
+    from shardkit.optim import OSS
+    from shardkit.recipes import OptimizerRecipe, compose
+    out = {}
+    # Megatron marks its split weights even at tensor-parallel size 1; with no groups of
+    # shardkit's known there is nothing to refuse
+    marked = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    marked[0].weight.tensor_model_parallel = True
+    OSS(marked.parameters(), optim=torch.optim.SGD, lr=0.1)
+    compose(marked, 1, OptimizerRecipe(torch.optim.SGD, {"lr": 0.1}))
+    if mp.model_parallel_is_initialized():
+        mp.destroy_model_parallel()
+    mp.initialize_model_parallel(2)
+    try:  # ranks 0-1 hold tensor-parallel layers, ranks 2-3 a plain model: one world group
+        model = _tp_model() if skdist.get_rank() < 2 else nn.Linear(8, 8)
+        try:
+            OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        except ValueError as error:
+            out["refused"] = str(error)
+        return out
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_oss_refusal_reaches_ranks_without_tensor_parallel_layers(world4):
+    # a review found the first version raised on the ranks holding such layers only, and the
+    # others waited in OSS's agreement until the group's timeout; and that it refused
+    # Megatron-marked weights where no model-parallel groups exist
+    for rank, out in enumerate(world4.run(
+            _refusal_on_some_ranks_and_megatron_marks_without_groups)):
+        assert "holds ranks [0, 1] of one tensor-parallel group" in out.get("refused", ""), out
+        if rank >= 2:
+            assert "rank 0 of the group refused" in out["refused"], out

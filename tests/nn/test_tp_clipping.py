@@ -155,9 +155,9 @@ def test_tensor_parallelism_costs_one_more_one_element_all_reduce(trained, wrapp
 
 def _plain_model_and_misuse():
     """A model without tensor-parallel layers clips as before (one all-reduce); OSS over the
-    whole world around a tensor-parallel model is an error when it is built, before any
-    counted collective (the engine runs over the data-parallel group:
-    tests/test_engine_tensor_parallel.py)."""
+    whole world around a tensor-parallel model is an error when it is built, raised through its
+    construction agreement, before any data moves (the engine runs over the data-parallel
+    group: tests/test_engine_tensor_parallel.py)."""
     from shardkit.optim import OSS
 
     out = {}
@@ -176,7 +176,7 @@ def _plain_model_and_misuse():
                 OSS(model.parameters(), optim=torch.optim.SGD, lr=LR)
             except ValueError as e:
                 out["world_error"] = str(e)
-        out["collectives_before_errors"] = len(comm.calls)
+        out["collectives_before_errors"] = [r.op for r in comm.calls]
     finally:
         mp.destroy_model_parallel()
     return out
@@ -187,4 +187,6 @@ def test_plain_model_unchanged_and_misuse_refused(world4):
         assert r["plain_calls"] == [("all_reduce", 1, 4)], r
         assert "get_data_parallel_group()" in r.get("world_error", ""), r
         assert "tensor-parallel group" in r["world_error"], r
-        assert r["collectives_before_errors"] == 0, r
+        # only OSS's construction agreement (one object all-gather), which carries the refusal
+        # to every rank of the group: a rank without such layers would otherwise wait there
+        assert r["collectives_before_errors"] == ["all_gather"], r

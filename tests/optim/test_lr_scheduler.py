@@ -229,5 +229,9 @@ def test_a_schedule_built_at_an_iteration_leaves_the_lr_until_its_first_step():
     assert adam.param_groups[0]["lr"] == 0.3 and adam.param_groups[0]["betas"] == (0.5, 0.9)
     cycle.step()
     assert adam.param_groups[0]["lr"] == pytest.approx(1.0)  # iteration 3: the peak
+    tensor_lr = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=torch.tensor(0.05))
+    resumed = WarmupLR(tensor_lr, warmup_max_lr=0.1, warmup_num_steps=10, last_batch_iteration=5)
+    assert float(tensor_lr.param_groups[0]["lr"]) == pytest.approx(0.05)  # was filled with 0
+    assert resumed.get_last_lr() == pytest.approx([0.05])
     with pytest.raises(ValueError, match=r"warmup_num_steps=0\): must be an integer >= 1"):
         WarmupLR(_optimizer(), warmup_num_steps=0)

@@ -292,8 +292,9 @@ def tensor_parallel_mates(process_groups: list, params, caller: str, consequence
     ``mates`` over its groups before raising and ``compose`` on its refusal; OSS raises at
     once (every rank of such a group holds such layers alike)."""
     split = [p for p in params if getattr(p, "tensor_model_parallel", False)]
-    if not split:
-        return 1, None
+    if not split or (_current_groups() is None and
+                     not any(hasattr(p, "model_parallel_groups") for p in split)):
+        return 1, None  # none split here, or marked by another library with no groups known
     tensor_ranks = set(groups_of(split, caller).tensor_ranks)
     shared = max((sorted(tensor_ranks & set(distributed.group_ranks(group)))
                   for group in process_groups), key=len)
