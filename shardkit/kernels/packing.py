@@ -205,15 +205,24 @@ def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: 
     return out
 
 
+_HALVES = (torch.float16, torch.bfloat16)
+
+
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     """``dst = src * scale`` in one pass, computed in the wider of the two dtypes."""
     if scale == 1.0:
         dst.copy_(src)
+    elif src.dtype == dst.dtype:
+        torch.mul(src, scale, out=dst)
+    elif not (src.is_floating_point() and dst.is_floating_point()):
+        # integers on either side: the product in the dtype both promote to (int64 -> fp64
+        # exact, int -> narrower int multiplied as integers), then cast
+        dst.copy_(torch.mul(src.to(torch.promote_types(src.dtype, dst.dtype)), scale))
     elif dst.dtype.itemsize > src.dtype.itemsize:
         # the widening copy is exact; then one product in dst's dtype (torch.mul(src, out=dst)
         # would multiply in src's dtype first)
         dst.copy_(src).mul_(scale)
-    elif src.dtype == dst.dtype or src.dtype in (torch.float32, torch.float64):
+    elif src.dtype not in _HALVES:  # fp32 / fp64 into a narrower float: one rounding
         torch.mul(src, scale, out=dst)
     # Below, torch.mul would round the product to src's 16-bit dtype before the cast to dst's
     # dtype rounds again; round once, like the Triton kernel.

@@ -130,3 +130,17 @@ def test_pack_float64_and_widening_scale_in_the_wider_dtype(backend):
     src32 = torch.randn(1000, generator=gen)
     packed = pack_rank_major([src32], 2, scale=1 / 3, dtype=torch.float64)
     assert torch.equal(packed, src32.double() * (1 / 3))
+
+
+@pytest.mark.parametrize("src, dst, scale", [(torch.int64, torch.float64, 0.5),
+                                             (torch.int64, torch.int32, 2),
+                                             (torch.int32, torch.int16, 3),
+                                             (torch.int32, torch.float32, 0.25)])
+def test_scaled_integer_data_packs_in_the_promoted_dtype(src, dst, scale):
+    # before: every dtype pair but the 16-bit floats' went through an fp32 temporary: int64 to
+    # fp64 lost its low bits (2**24 + 1 scaled by 0.5 gave 8388608.0) and integer outputs
+    # raised ("result type Float can't be cast to the desired output type Int")
+    x = torch.tensor([2 ** 24 + 1, 3, 7, 5], dtype=src)
+    got = pack_rank_major([x], 2, scale=scale, dtype=dst)
+    wide = torch.promote_types(src, dst)
+    assert torch.equal(got, (x.to(wide) * scale).to(dst))
