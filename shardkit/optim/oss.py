@@ -1349,7 +1349,15 @@ class OSS(torch.optim.Optimizer, Joinable):
             self._hand_over_state(held)
             self._consolidated = None
             return
-        arriving = send_state_to_new_owners(new, held, self.rank, self.group)
+        # a frozen parameter that holds a gradient is stepped (as torch steps it); under
+        # ShardedDDP only its owner holds that gradient, so it moves with the state
+        leaving = {p: p.grad for p in self._frozen_members if p.grad is not None
+                   and p in self._plan.partition and p in new
+                   and self._plan.partition.owner(p) == self.rank and new.owner(p) != self.rank}
+        arriving, grads = send_state_to_new_owners(new, held, self.rank, self.group, leaving)
+        for p, grad in grads.items():
+            if p.grad is None:
+                p.grad = grad
         kept = {p: s for p, s in held.items() if p in new and new.owner(p) == self.rank}
         # Note: the state of a parameter that left the partition (frozen) stays parked on its
         # last owner, so that it resumes where it stopped once trainable again, as in torch.
