@@ -54,7 +54,8 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     enable_cuda_graph: DeepSpeed's RLHF generation speed-up; training is the same, and when
     enabled a note says engine.generate is the model's own generate, without DeepSpeed's
     inference kernels or tensor-parallel generation), offload *.pin_memory /
-    buffer_*, fp16.auto_cast, bf16.immediate_grad_update, wall_clock_breakdown and
+    buffer_*, offload_optimizer.ratio (the whole state is offloaded), fp16.auto_cast,
+    bf16.immediate_grad_update, wall_clock_breakdown and
     memory_breakdown (when true, a note says no breakdown is printed), prescale_gradients,
     gradient_predivide_factor,
     zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer, dump_state,
@@ -299,7 +300,12 @@ _LOG_INSTEAD = "log from the training loop (engine.get_lr(), the loss), or remov
 # device "nvme" is refused by _refuse_nvme (before this schema) naming what to use; nvme_path
 # is accepted while the device is "cpu" or "none" (DeepSpeed reads it for NVMe only)
 _OFFLOAD_COMMON = {"device": _choice("none", "none", "cpu"), "pin_memory": _bool(),
-                   "buffer_count": _int(4, 1), "fast_init": _bool(), "ratio": _num(1.0, 0),
+                   "buffer_count": _int(4, 1), "fast_init": _bool(),
+                   # DeepSpeed's share of the optimizer state offloaded: the whole state is
+                   # here (the same values; more host memory where it is below 1)
+                   "ratio": Field((int, float), 1.0,
+                                  lambda v: math.isfinite(v) and 0 <= v <= 1,
+                                  "a number in [0, 1]"),
                    "nvme_path": Field((str, type(None)), None)}
 # DeepSpeed's NVMe pipelining switches of offload_optimizer: tuning only, no effect on CPU offload
 _OFFLOAD_PIPELINE = {"pipeline_read": _bool(), "pipeline_write": _bool()}

@@ -368,3 +368,14 @@ def test_zero_warmup_steps_are_refused_as_deepspeed_does(scheduler):
         del params["total_num_steps"]
     with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps=0"):
         load_config({**SEED_CONFIG, "scheduler": {"type": scheduler, "params": params}}, 2)
+
+
+def test_offload_optimizer_ratio_is_a_fraction():
+    # DeepSpeed's partial offload: accepted in [0, 1] (the whole state is offloaded here);
+    # before, 5.0 or a negative share were accepted too
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}
+    assert load_config({**SEED_CONFIG, "zero_optimization": zero}, 2).zero.stage == 2
+    for bad in (5.0, -0.5, float("nan")):
+        with pytest.raises(ConfigError, match="ratio=.*a number in \\[0, 1\\]"):
+            load_config({**SEED_CONFIG, "zero_optimization": {
+                "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": bad}}}, 2)

@@ -212,12 +212,13 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     """``dst = src * scale`` in one pass, computed in the wider of the two dtypes."""
     if scale == 1.0:
         dst.copy_(src)
+    elif not (src.is_floating_point() and dst.is_floating_point()):
+        if dst.is_floating_point():  # integers into floats: exact in fp64, rounded once
+            dst.copy_(src.to(torch.float64).mul_(scale))
+        else:  # integers (or bool) multiplied as integers in the wider of the two, then cast
+            dst.copy_(torch.mul(src.to(torch.promote_types(src.dtype, dst.dtype)), scale))
     elif src.dtype == dst.dtype:
         torch.mul(src, scale, out=dst)
-    elif not (src.is_floating_point() and dst.is_floating_point()):
-        # integers on either side: the product in the dtype both promote to (int64 -> fp64
-        # exact, int -> narrower int multiplied as integers), then cast
-        dst.copy_(torch.mul(src.to(torch.promote_types(src.dtype, dst.dtype)), scale))
     elif dst.dtype.itemsize > src.dtype.itemsize:
         # the widening copy is exact; then one product in dst's dtype (torch.mul(src, out=dst)
         # would multiply in src's dtype first)

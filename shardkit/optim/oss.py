@@ -231,6 +231,7 @@ class OSS(torch.optim.Optimizer, Joinable):
         # frozen parameters partitioned for the gradient they held (stepped as torch steps
         # them); one made trainable again needs a refresh all the same (ShardedDDP's hooks)
         self._frozen_members: set = set()
+        self._lent_grads: dict = {}  # frozen parameter -> id of the gradient copy lent here
         args.check_no_shared_storage(groups, self.world_size)
         # local (no collective), so that bad hyper-parameters fail before any collective starts
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
@@ -1321,7 +1322,8 @@ class OSS(torch.optim.Optimizer, Joinable):
         self._sync.wait()
         return args.check_same_model_on_every_rank(
             groups, self.group, caller,
-            advice="change requires_grad, and add param groups, identically")
+            advice="change requires_grad, and add param groups, identically",
+            refusal=args.tensor_parallel_refusal(groups, self.group))
 
     def _plan_stepped(self, groups: list[dict], frozen_with_gradient: list[set]):
         """The ownership plan of the parameters a torch optimizer over ``groups`` would step:
@@ -1338,6 +1340,7 @@ class OSS(torch.optim.Optimizer, Joinable):
         # recorded even when the plan stays: a member made trainable again is no longer one
         self._frozen_members = _items_of(self.param_groups, frozen_with_gradient)
         plan = self._plan_stepped(self.param_groups, frozen_with_gradient)
+        self._return_lent_gradients(plan.partition)
         if plan.same_as(self._plan):
             return
         held = self._held_state()
@@ -1349,15 +1352,8 @@ class OSS(torch.optim.Optimizer, Joinable):
             self._hand_over_state(held)
             self._consolidated = None
             return
-        # a frozen parameter that holds a gradient is stepped (as torch steps it); under
-        # ShardedDDP only its owner holds that gradient, so it moves with the state
-        leaving = {p: p.grad for p in self._frozen_members if p.grad is not None
-                   and p in self._plan.partition and p in new
-                   and self._plan.partition.owner(p) == self.rank and new.owner(p) != self.rank}
-        arriving, grads = send_state_to_new_owners(new, held, self.rank, self.group, leaving)
-        for p, grad in grads.items():
-            if p.grad is None:
-                p.grad = grad
+        arriving = send_state_to_new_owners(new, held, self.rank, self.group)
+        self._lend_frozen_gradients(new)
         kept = {p: s for p, s in held.items() if p in new and new.owner(p) == self.rank}
         # Note: the state of a parameter that left the partition (frozen) stays parked on its
         # last owner, so that it resumes where it stopped once trainable again, as in torch.
@@ -1367,6 +1363,45 @@ class OSS(torch.optim.Optimizer, Joinable):
         self.optim = self._build_local_optimizer(self.param_groups)
         self._hand_over_state({**kept, **arriving})
         self._consolidated = None
+
+    def _lend_frozen_gradients(self, new: ParameterPartition) -> None:
+        """Give a frozen parameter that holds a gradient (stepped, as torch steps it) and
+        changes owner a copy of that gradient on its new owner, where that rank holds none:
+        under ShardedDDP only the owner holds it. The copy is lent (:meth:`_return_lent_
+        gradients`); the old owner keeps its own, which ShardedDDP carries into the reduction
+        once the parameter trains again. Before :attr:`_plan` changes.
+
+        Communication, only where such parameters exist (the same on every rank): one object
+        all-gather of the wanted indices, one of the gradients (CPU copies of them alone)."""
+        old = self._plan.partition
+        # in the partition's order: alike on every rank
+        moving = [p for p in new.all_params() if p in self._frozen_members and p in old]
+        if not moving:
+            return
+        wanted = [i for i, p in enumerate(moving)
+                  if new.owner(p) == self.rank != old.owner(p) and p.grad is None]
+        asked = {i for ask in distributed.all_gather_object(wanted, group=self.group)
+                 for i in ask}
+        sent = {i: moving[i].grad.detach().to("cpu", copy=True).contiguous() for i in asked
+                if old.owner(moving[i]) == self.rank and moving[i].grad is not None}
+        for given in distributed.all_gather_object(sent, group=self.group):
+            for i, grad in given.items():
+                if i in wanted:
+                    p = moving[i]
+                    p.grad = grad.to(p.device)
+                    self._lent_grads[p] = id(p.grad)
+
+    def _return_lent_gradients(self, new: ParameterPartition) -> None:
+        """Drop the lent copies (:meth:`_lend_frozen_gradients`) of parameters that train
+        again, hold no gradient anymore, or leave this rank: the old owner's own gradient,
+        carried by ShardedDDP, counts once in the next reduction (the copy would count it a
+        second time). A copy the user replaced (another tensor) is theirs. Local."""
+        for p, grad_id in list(self._lent_grads.items()):
+            if p in self._frozen_members and p in new and new.owner(p) == self.rank:
+                continue
+            del self._lent_grads[p]
+            if p.grad is not None and id(p.grad) == grad_id:
+                p.grad = None
 
 
 def _agreement_row(method: str, settings: dict) -> list[int]:

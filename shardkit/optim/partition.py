@@ -282,28 +282,20 @@ def default_bucket_numel(world_size: int) -> int:
     return max(1, 2 ** 22 // max(1, world_size))
 
 
-def send_state_to_new_owners(new: ParameterPartition, held: dict, rank: int, group=None,
-                             grads: Optional[dict] = None):
+def send_state_to_new_owners(new: ParameterPartition, held: dict, rank: int, group=None) -> dict:
     """Each rank in turn broadcasts the state it holds (``held``: ``{param: state}``) for
     parameters that ``new`` gives to another rank; returns ``{param: state}`` arriving here.
-    With ``grads`` (``{param: gradient}`` this rank hands over with the state: a frozen
-    parameter's, which under ShardedDDP only its old owner holds), returns ``(states,
-    gradients)`` arriving here.
 
     Communication: ``N`` small object broadcasts (the moved state only), so call it only when
     the partition changed. Collective over ``group``.
     """
     params = new.all_params()
-    arriving, arriving_grads = {}, {}
+    arriving = {}
     for r in range(new.world_size):
         mine = None
         if r == rank:
-            leaving = [i for i, p in enumerate(params) if new.owner(p) != r]
-            mine = ({i: held[params[i]] for i in leaving if params[i] in held},
-                    {i: grads[params[i]] for i in leaving if params[i] in (grads or {})})
-        states, moved_grads = distributed.broadcast_object(
-            mine, src=distributed.get_global_rank(group, r), group=group)
-        arriving.update({params[i]: st for i, st in states.items() if new.owner(params[i]) == rank})
-        arriving_grads.update({params[i]: g for i, g in moved_grads.items()
-                               if new.owner(params[i]) == rank})
-    return arriving if grads is None else (arriving, arriving_grads)
+            mine = {i: held[p] for i, p in enumerate(params) if new.owner(p) != r and p in held}
+        got = distributed.broadcast_object(mine, src=distributed.get_global_rank(group, r),
+                                           group=group)
+        arriving.update({params[i]: st for i, st in got.items() if new.owner(params[i]) == rank})
+    return arriving

@@ -135,12 +135,19 @@ def test_pack_float64_and_widening_scale_in_the_wider_dtype(backend):
 @pytest.mark.parametrize("src, dst, scale", [(torch.int64, torch.float64, 0.5),
                                              (torch.int64, torch.int32, 2),
                                              (torch.int32, torch.int16, 3),
-                                             (torch.int32, torch.float32, 0.25)])
-def test_scaled_integer_data_packs_in_the_promoted_dtype(src, dst, scale):
+                                             (torch.int32, torch.float32, 0.25),
+                                             (torch.int32, torch.float16, 0.5),
+                                             (torch.int32, torch.bfloat16, 0.3),
+                                             (torch.bool, torch.bool, 2)])
+def test_scaled_integer_data_packs_exactly_and_rounds_once(src, dst, scale):
     # before: every dtype pair but the 16-bit floats' went through an fp32 temporary: int64 to
     # fp64 lost its low bits (2**24 + 1 scaled by 0.5 gave 8388608.0) and integer outputs
-    # raised ("result type Float can't be cast to the desired output type Int")
-    x = torch.tensor([2 ** 24 + 1, 3, 7, 5], dtype=src)
+    # raised ("result type Float can't be cast to the desired output type Int"); a first fix
+    # multiplied int32 -> fp16 in fp16 (100000 overflowed to inf, others rounded twice)
+    x = torch.tensor([2 ** 24 + 1, 100000, 70001, 3, 7, 5], dtype=torch.int64).to(src)
     got = pack_rank_major([x], 2, scale=scale, dtype=dst)
-    wide = torch.promote_types(src, dst)
-    assert torch.equal(got, (x.to(wide) * scale).to(dst))
+    if dst.is_floating_point:
+        expected = (x.to(torch.float64) * scale).to(dst)
+    else:
+        expected = (x.to(torch.promote_types(src, dst)) * scale).to(dst)
+    assert torch.equal(got, expected)
