@@ -131,15 +131,6 @@ _REPLAN_AT = 2  # training steps; the first's timings include one-off costs (all
 _MODES_AGREEMENT = dist.control_kind("the pipeline stages' trainable parameters and autocast")
 
 
-def _autocast_state(device: torch.device) -> tuple:
-    """Whether autocast is on for ``device``'s type, and its dtype: what an output's dtype
-    follows from beside the inputs'. Local."""
-    try:
-        return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-    except (TypeError, AttributeError):  # torch releases before 2.4 take no device type
-        return torch.is_autocast_enabled(), None
-
-
 class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses,
                    StepOutputs, StageMessages, StageBackward):
     """Runs this rank's part of a :class:`PipelinePlan` over its :class:`PipelineStage` objects.
@@ -530,9 +521,10 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
         parameters' ``requires_grad`` read locally."""
         if self.links.reannounce:
             return
-        device = next(iter(self.stages.values())).device
+        # imported here: the config module behind it is not needed at import
+        from shardkit.checkpointing import _autocast_states
         modes = (tuple(p.requires_grad for stage in self.stages.values()
-                       for p in stage.module.parameters()), _autocast_state(device))
+                       for p in stage.module.parameters()), _autocast_states())
         changed, self._stage_modes = modes != self._stage_modes, modes
         if not self._checked:
             return  # the first step (or the one after a failure) announces every output
